@@ -1219,7 +1219,7 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
     default's field where it came from ``defaults`` (``defaults: lr``, as the optimizer's construction names it)."""
     for f, x in zip(AdamHParams._fields, hp):  # (read as a Python number, its precision was no longer seen)
         if x is not None:
-            _refuse_half_precision(f, x, where)
+            refuse_half_precision(f, x, where)
     return AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
                          as_number(x, lambda f=f: f"{where}: {f}")
                          for f, x, d in zip(AdamHParams._fields, hp, defaults)))
@@ -2057,7 +2057,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
         if callable(value) and not isinstance(value, torch.Tensor):  # optax's adam(learning_rate=schedule)
             raise HParamError(f"{where}{path}: {name} is a schedule ({type(value).__name__}), where a value is taken "
                               f"(a float or a 0-d tensor): {_field_schedule_hint(name)}")
-        _refuse_half_precision(name, value, where, path)
+        refuse_half_precision(name, value, where, path)
         if is_numpy_real(value):  # (read as the Python number it holds where hparams are read: as_number)
             value = as_number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
@@ -2085,7 +2085,7 @@ def _half_precision(value: Any) -> str:
     return "float16" if type(value).__module__ == "numpy" and type(value).__name__ == "float16" else ""
 
 
-def _refuse_half_precision(name: str, value: Any, where: str, path: str = "", label: str | None = None) -> None:
+def refuse_half_precision(name: str, value: Any, where: str, path: str = "", label: str | None = None) -> None:
     """Refuse (an :class:`HParamError` naming ``where + path``) a value of hparam ``name`` of :data:`_HALF_REFUSED`
     that is :func:`_half_precision`. ``label``: how the value is named instead of ``where + path: name`` (the offload
     facade's ``param_groups[0]['betas'][0]``, whose groups torch.optim steps with it)."""

@@ -164,7 +164,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, _refuse_half_precision, check_float32_range,
+from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_half_precision,
                        refused_torch_option, torch_betas)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
@@ -251,7 +251,7 @@ def _number(value: Any, what: str, field: str) -> float:
     :func:`sofx.adam` refuses it (it was read as the Python float it holds: another step than torch's)."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value = value.detach()
-    _refuse_half_precision(field, value, "", label=what)
+    refuse_half_precision(field, value, "", label=what)
     if callable(value):  # a sofx schedule (optax's learning_rate=schedule)
         raise HParamError(f"{what} is a schedule ({type(value).__name__}), where the offload optimizer takes a "
                           "number: its lr follows a torch.optim.lr_scheduler; for a sofx schedule, lr=1.0 and "

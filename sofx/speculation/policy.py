@@ -80,8 +80,9 @@ def _read_state(state: Any, where: str) -> PolicyState:
 class AdaptivePolicy:
     """Pause speculation while clipping fires on most recent steps (see the module docstring).
 
-    ``enabled=False`` never pauses: a state it is given (a checkpoint of a run with the policy on) is carried as it
-    is, neither read nor updated, and the step report shows no pause.
+    ``enabled=False`` never pauses: a state it is given (a checkpoint of a run with the policy on) is checked and
+    carried (:meth:`allows` and :meth:`update` take no decision from it, nor record the step in it), and the step
+    report shows no pause.
     """
 
     enabled: bool = True
