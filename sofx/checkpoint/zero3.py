@@ -79,6 +79,13 @@ _FILE_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_?opti
 _MODEL_FILE_RE = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_(?P<mp>\d{2,})_model_states\.pt$")
 
 
+def _block_named(b: int, group: ParamGroup, paths: Sequence[str]) -> str:
+    """Block ``b`` (of ``group``'s leaves) for a message: ``block 2 (params['w'])``, ``block 0 (params['a']...)``
+    where it holds more leaves than its first."""
+    more = "..." if len(group.leaves) > 1 else ""
+    return f"block {b} ({paths[group.leaves[0]]}{more})"
+
+
 def zero3_file_name(dp_rank: int, mp_rank: int = 0, bf16: bool = False) -> str:
     """``[bf16_]zero_pp_rank_{dp}_mp_rank_{mp:02d}_optim_states.pt`` (ranks integers >= 0, else a
     :class:`CheckpointError` naming the argument)."""
@@ -623,7 +630,7 @@ def load_zero3(directory: str | os.PathLike, opt: Adam, params: Any, hparams: An
             for what, mine, first in (("step count", rk["steps"][b], steps[b]),
                                       ("hyperparameters", rk["hparams"][b], group_hp[b])):
                 if mine != first:
-                    raise CorruptCheckpointError(f"{files[r]}: block {b} ({paths[g.leaves[0]]}...) has {what} "
+                    raise CorruptCheckpointError(f"{files[r]}: {_block_named(b, g, paths)} has {what} "
                                                  f"{mine}, rank 0's file {first}: the rank files are of different "
                                                  "runs or steps")
     new_p: list[Any] = [None] * len(p_leaves)
@@ -871,7 +878,7 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
     hps, steps, exp_avg, exp_avg_sq = [], [], [], []
     for b, (g, saved, flat) in enumerate(zip(resolved, owners, flats)):
         want = sum(partition_numel(p_leaves[i].numel(), world) for i in g.leaves)
-        where = f"{path}: block {b} ({paths[g.leaves[0]]}...)"
+        where = f"{path}: {_block_named(b, g, paths)}"
         if not isinstance(flat, torch.Tensor) or flat.dim() != 1 or flat.numel() != want:
             got = f"{flat.numel()} elements" if isinstance(flat, torch.Tensor) else type(flat).__name__
             raise CheckpointMismatchError(f"{where}: the flat master has {got}, the params need {want} per rank")

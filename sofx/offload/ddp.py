@@ -399,7 +399,7 @@ class ReplicaWatch:
 
     def forget_step(self) -> None:
         """The step ended (or was dropped): the next one decides anew."""
-        self.decision, self.error, self.failed = None, None, None
+        self.decision, self.error, self.failed, self.failed_comparing = None, None, None, False
 
 
 _LIVE = 10  # (the slot of the exchange saying whether a rank's optimizer is live: see ReplicaWatch.exchange)
