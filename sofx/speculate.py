@@ -83,9 +83,10 @@ and one :class:`BlockAction` per block:
 =============  ==========================================================
 ``commit``     speculated with exactly the final multiplier, hparams and gradient
 ``undo_redo``  speculated, but the multiplier (clip, scale), hparams or gradient changed
-``undo``       speculated, and the step is skipped (overflow)
-``step``       not speculated (vetoed, ineligible, policy, earlier micro-steps): step now
-``skip``       nothing to do (overflow, or no gradient with ``missing_grad="skip"``)
+``undo``       speculated, and the step is skipped (overflow) or not taken (``plan.error``)
+``step``       not speculated (vetoed, ineligible, refused, policy, earlier micro-steps), or its
+               speculative step was undone when a late gradient came: step now
+``skip``       nothing to do (overflow, ``plan.error``, or no gradient with ``missing_grad="skip"``)
 =============  ==========================================================
 
 (a missing gradient with ``missing_grad="zero"`` is ``step`` with
@@ -93,8 +94,13 @@ and one :class:`BlockAction` per block:
 across ranks (nan/inf anywhere makes every rank skip); ``taken=[...]`` says
 which speculative steps actually ran (a step that did not run is stepped
 late, not undone). If ``plan.error`` is set (DeepSpeed's scaler gave up at its
-minimum scale), the actions undo every speculative step: apply them, then
-raise it. :func:`apply_block_action` carries one action out with
+minimum scale, a :class:`~sofx.loss_scale.MinLossScaleError`; or the
+loss-scale rule failed, a :class:`~sofx.loss_scale.LossScaleRuleError`: a
+custom rule's ``scale`` or ``update`` raised, or its ``update`` returned a
+state that cannot be taken), the step is not taken: the actions undo every
+speculative step (``plan.scaler_state`` and ``plan.policy_state`` are the
+step's own); apply them, then raise it. :func:`apply_block_action` carries
+one action out with
 :class:`sofx.Adam` (``undo_redo`` is the fused one-call undo+redo). The result
 equals :func:`sofx.serial.serial_step` on the same inputs: bitwise for blocks
 that were committed or stepped late, to float32 rounding for undone ones.
