@@ -464,6 +464,23 @@ def test_on_speculation_held_counts_what_the_step_holds() -> None:
     assert tally.snapshot_bytes == 0
 
 
+def test_a_budget_decision_after_reserved_and_held_bytes_past_the_budget_names_none_left() -> None:
+    """A block's planned bytes are reserved as it is decided; what an earlier block's step held is learnt later
+    (the engine's thread executor reports it after the next block's decision): reserved and held together may pass
+    the budget for a while (the later step is then taken back). A block decided meanwhile read "-40 of the budget
+    of 100 bytes are left"; it says none is left, and what the steps so far hold or reserve."""
+    opt = sofx.adamw()
+    scaler = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), scaler, scaler.init(), None,
+                               n_blocks=3)
+    tally, _ = sp.on_block_ready(ctx, tally, 2, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    tally, _ = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "snapshot", "exact", 80))
+    tally = sp.on_speculation_held(ctx, tally, 2, 60)  # (block 2's step kept chunks: 140 held or reserved)
+    tally, d = sp.on_block_ready(ctx, tally, 0, 1.0, sp.Eligibility(True, "snapshot", "exact", 10))
+    assert d.kind == "budget" and "-" not in d.reason.split("bytes of snapshot")[1], d.reason
+    assert "none of the budget of 100 bytes is left" in d.reason and "140" in d.reason, d.reason
+
+
 def test_on_late_gradient_undone_releases_the_blocks_snapshot_once() -> None:
     opt = sofx.adamw()
     scaler = loss_scale.grad_scaler()

@@ -646,8 +646,12 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
             kind, reason = "ineligible", el.reason
         elif budget is not None and snap + el_bytes > budget:
             kind = "budget"
-            reason = (f"its {el.strategy} undo needs {el_bytes} bytes of snapshot "
-                      f"({el.reason}); {budget - snap} of the budget of {budget} bytes are left")
+            # (planned bytes are reserved at a decision, what a step held beyond its plan is learnt later: the
+            # steps so far may hold or reserve more than the budget for a while, one of them taken back then)
+            left = (f"{budget - snap} of the budget of {budget} bytes are left" if snap <= budget else
+                    f"none of the budget of {budget} bytes is left (the speculative steps so far hold or reserve "
+                    f"{snap})")
+            reason = f"its {el.strategy} undo needs {el_bytes} bytes of snapshot ({el.reason}); {left}"
         else:
             kind, reason, nbytes = "speculate", "", el_bytes
             snap += el_bytes
