@@ -481,6 +481,22 @@ def test_a_budget_decision_after_reserved_and_held_bytes_past_the_budget_names_n
     assert "none of the budget of 100 bytes is left" in d.reason and "140" in d.reason, d.reason
 
 
+def test_on_speculation_held_refuses_more_than_the_budget() -> None:
+    """A speculative step keeps at most the budget (speculative_block_step's snapshot_limit_bytes): a count beyond
+    it is not a step's, and was taken, the blocks after it all decided "budget" with a negative "left"."""
+    opt = sofx.adamw()
+    scaler = loss_scale.grad_scaler()
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(snapshot_budget_bytes=100), scaler, scaler.init(), None,
+                               n_blocks=2)
+    tally, _ = sp.on_block_ready(ctx, tally, 1, 1.0, sp.Eligibility(True, "algebraic", "", 0))
+    with pytest.raises(SofxError, match=r"block 1's step holds 101 bytes .*snapshot_budget_bytes of 100"):
+        sp.on_speculation_held(ctx, tally, 1, 101)
+    assert sp.on_speculation_held(ctx, tally, 1, 100).snapshot_bytes == 100  # (the whole budget: taken)
+    unlimited, tally = sp.begin_step(opt, sp.SpeculationConfig(), scaler, scaler.init(), None, n_blocks=1)
+    tally, _ = sp.on_block_ready(unlimited, tally, 0, 1.0, sp.Eligibility(True, "snapshot", "exact", 10))
+    assert sp.on_speculation_held(unlimited, tally, 0, 10**12).snapshot_bytes == 10**12  # (no budget: any count)
+
+
 def test_on_late_gradient_undone_releases_the_blocks_snapshot_once() -> None:
     opt = sofx.adamw()
     scaler = loss_scale.grad_scaler()

@@ -685,7 +685,10 @@ def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snap
     """Record the snapshot bytes block ``block``'s speculative step actually holds (its record's
     ``snapshot_bytes()``), in place of the bytes its decision planned for: ``undo="auto"``'s step may find
     in itself that it keeps chunks (:mod:`sofx.skipped_chunks`). The blocks decided after this see what is
-    really left of the budget, rather than have their steps taken back for it.
+    really left of the budget, rather than have their steps taken back for it. A count beyond
+    ``snapshot_budget_bytes`` is refused (a :class:`SofxError`): a speculative step keeps at most the budget
+    (:func:`~sofx.speculation.apply.speculative_block_step`'s limit), so it is no step's count (it was taken, and
+    every block decided after it was refused for the budget).
     """
     _check_tally("on_speculation_held", ctx, tally)
     block = _check_block(ctx, block)
@@ -694,6 +697,11 @@ def on_speculation_held(ctx: StepContext, tally: BackwardTally, block: int, snap
         raise SofxError(f"block {block} was not speculated: there is no speculative step holding a snapshot")
     _refuse_undone_report(tally, block)
     snapshot_bytes = integer("on_speculation_held: snapshot_bytes", snapshot_bytes, 0, SofxError)
+    budget = ctx.config.snapshot_budget_bytes
+    if budget is not None and snapshot_bytes > budget:
+        raise SofxError(f"on_speculation_held: block {block}'s step holds {snapshot_bytes} bytes of snapshot, beyond "
+                        f"the snapshot_budget_bytes of {budget}: a speculative step keeps at most the budget "
+                        "(speculative_block_step's limit); report its record's snapshot_bytes()")
     held = d._replace(snapshot_bytes=snapshot_bytes)
     return tally._replace(decisions=_replace(tally.decisions, block, held),
                           snapshot_bytes=tally.snapshot_bytes - d.snapshot_bytes + snapshot_bytes)
