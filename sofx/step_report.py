@@ -19,7 +19,10 @@ and by :func:`sofx.speculate.speculative_step`. Block counts:
                   then stepped late
 ``stepped_late``  blocks stepped in validation without a speculative step
                   (vetoed, ineligible, refused, policy pause, earlier
-                  micro-steps, missing gradient with ``missing_grad="zero"``)
+                  micro-steps, missing gradient with ``missing_grad="zero"``;
+                  in the offload engine also a block kept on the device, one
+                  held from speculating under ``ddp`` until the ranks decided
+                  whether to compare their states, a gradient set by hand)
 ``not_stepped``   blocks without a step this iteration (overflow, or a missing
                   gradient with ``missing_grad="skip"``)
 
@@ -36,7 +39,8 @@ the updated one; ``nan``: not known, a report made by hand),
 (``not_speculating_reason`` says why not: disabled, not the last micro-step,
 the adaptive policy, or a step no speculative block could stand: hparams a
 block refuses, a loss scale that cannot unscale, ``max_norm=0``, a loss-scale rule that cannot predict the scale of a
-clean step). ``policy_paused``/``policy_reason``: the adaptive
+clean step; in the offload engine, every block ready during backward held from speculating: kept on the device, or
+under ``ddp`` before the ranks' exchange). ``policy_paused``/``policy_reason``: the adaptive
 policy's state *after* this step ("paused: clipping fired on 5 of the last 8
 steps ...", "resumed: ..."; a disabled policy never pauses: ``False`` and ``""``,
 whatever state it was given and carries). ``veto_reason``: why speculation was vetoed

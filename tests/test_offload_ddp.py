@@ -1185,6 +1185,26 @@ def _backward_calls_counted(rank: int) -> dict:
     return out
 
 
+def _held_by_the_exchange(rank: int) -> dict:
+    """A weight outside DDP in a param group (a block) of its own, its gradient from the loss's last op, the first
+    of backward: per step (synchronized, then under ``no_sync()``), whether the report says the step speculated, why
+    not, and the blocks speculated."""
+    model = _ddp({})
+    scale = nn.Parameter(torch.ones(3))
+    opt = sofx.offload.SpeculativeAdamW([{"params": list(model.parameters())}, {"params": [scale]}], lr=LR,
+                                        block_numel=16, ddp=model, executor="inline")
+    out: dict = {"steps": []}
+    with _reported(out, [opt]):
+        for step, quiet in enumerate((False, True)):
+            opt.zero_grad()
+            x, y = _batch(step, 0, rank)
+            with model.no_sync() if quiet else contextlib.nullcontext():
+                ((model(x) * scale - y) ** 2).mean().backward()
+            report = opt.step()
+            out["steps"].append((report.speculating, report.not_speculating_reason, report.speculated))
+    return out
+
+
 CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "without_ddp": _without_ddp,
          "refused_in_hook": _refused_in_hook,
          "refused_in_hook_checkpointed": functools.partial(_refused_in_hook, make=functools.partial(
@@ -1208,6 +1228,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          **{f"heads_{how}_{kind}": functools.partial(_alternating_heads, crossed=how == "crossed",
                                                      exact=kind == "exact")
             for how in ("alternating", "crossed") for kind in ("exact", "clipped")},
+         "held_by_the_exchange": _held_by_the_exchange,
          "skipped_on_one_rank": _step_skipped_on_one_rank}  # (last: where it hangs, the cases before have run)
 
 
@@ -1771,6 +1792,18 @@ def test_a_step_without_synchronized_backward_beside_a_closed_rank_raises_naming
                  "a rank whose optimizer over this DDP module is closed", "Timed out waiting 5000ms"):
         assert said in out["step"], (said, out["step"])
     assert out["seconds"] < 30.0, out["seconds"]  # (the group's 5 s timeout: bounded)
+
+
+def test_a_step_whose_blocks_the_exchange_held_from_speculating_reports_why(ranks) -> None:
+    """A block ready during backward before the ranks' exchange (a weight outside DDP, whose gradient comes before
+    the first bucket's, or every gradient of a step under ``no_sync()``) is held from speculating; where every block
+    of a step was, the report said speculating=True with no reason: it says the step did not speculate, and why."""
+    for rank in range(2):
+        out = ranks[rank]["held_by_the_exchange"]
+        assert "error" not in out, out["error"]
+        (synced, _, some), (quiet, why, none) = out["steps"]
+        assert synced and some > 0 and not quiet and none == 0, out["steps"]
+        assert "under ddp no block is speculated before the ranks decide" in why and "no_sync()" in why, why
 
 
 def test_a_step_after_a_backward_whose_exchange_failed_raises_at_once_naming_it(ranks) -> None:

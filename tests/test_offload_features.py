@@ -240,6 +240,28 @@ def test_device_block_state_is_in_the_state_dict() -> None:
     assert all(int(b["counts"].max()) == 1 for b in sd["state"]["blocks"][:2])
 
 
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_a_step_whose_blocks_are_all_kept_on_the_device_reports_why_none_was_speculated(executor: str) -> None:
+    """Blocks kept on the device (n_device_blocks) are stepped in step(), never speculated; where every block is,
+    the report said speculating=True with no reason (and 0 speculated): it says the step did not speculate, and
+    why. A step with CPU blocks beside them speculates those, and says so."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor, block_numel=100) as probe:
+        n = len(probe.engine.layouts)
+    gen = torch.Generator().manual_seed(0)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor, block_numel=100,
+                                       n_device_blocks=n) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        report = opt.step()
+    assert report.speculated == 0 and report.stepped_late == n
+    assert not report.speculating and "kept on the device" in report.not_speculating_reason, report
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor, block_numel=100,
+                                       n_device_blocks=n - 1) as opt:
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+        report = opt.step()
+    assert report.speculated == 1 and report.speculating and report.not_speculating_reason == "", report
+
+
 # ---------------------------------------------------------------- event order
 def test_speculation_happens_during_backward() -> None:
     model, _ = _models()

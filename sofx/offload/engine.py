@@ -668,6 +668,7 @@ class OffloadEngine:
         self._tally: BackwardTally | None = None
         self._reduced_grads = {}
         self._speculated = [False] * len(self.layouts)
+        self._held: dict[int, str] = {}  # blocks ready during backward held from speculating: why (_block_ready)
         # (block, why, bytes) of speculative steps taken back (the bytes they needed), or holding snapshots (why
         # None: the bytes they hold), not yet in the tally: appended by _record (the main thread), taken by _decide
         # (where the executor decides) and step() (thread-safe appends and pops)
@@ -966,8 +967,12 @@ class OffloadEngine:
         arrived = self.tracker.present(b)
         self._zero_absent(b, arrived)
         present = self._stepped(b, arrived)
-        if not during_backward or layout.on_device or (self._replicas is not None and self._replicas.holds_speculation):
+        if not during_backward:
             return  # stepped in step(), not speculated (its sum of squares is taken there)
+        held = self._held_from_speculating(b)
+        if held:
+            self._held[b] = held  # (likewise; the report says why, where no block of the step was speculated)
+            return
         self._begin()
         grads = self._op_grads(b)
         publish = self._publish_mask(b, present)
@@ -986,6 +991,34 @@ class OffloadEngine:
                                          grads_finite=True))
             self._mark_speculated(b, publish)  # after the submission (an interrupt between would leave a
             # block marked whose step was never sent, and zero_grad() would ask the worker to undo it)
+
+    def _held_from_speculating(self, b: int) -> str:
+        """Why block ``b``, ready during backward, is not offered for speculation (stepped in ``step()``), else "":
+        it is kept on the device, or under ``ddp`` the ranks have not decided yet whether to compare their states
+        (no synchronized backward yet), compare them now, or found them different (``step()`` raises)."""
+        if self.layouts[b].on_device:
+            return "kept on the device (n_device_blocks): a block there is stepped in step(), not speculated"
+        watch = self._replicas
+        if watch is None or not watch.holds_speculation:
+            return ""
+        if watch.error is not None:
+            return "the ranks' optimizer states differ (step() raises): no block is speculated"
+        if watch.decision is None:
+            return ("under ddp no block is speculated before the ranks decide, at a synchronized backward, whether "
+                    "to compare their optimizer states (its gradient came before one: from a backward under "
+                    "no_sync(), or of a parameter DDP does not average)")
+        return "under ddp no block is speculated while the ranks compare their optimizer states"
+
+    def _held_report(self, report: StepReport) -> StepReport:
+        """``report``, saying that the step did not speculate and why (:meth:`_held_from_speculating`), where it
+        was allowed to but no block was offered for speculation, those ready during backward all held from it
+        (every block on the device, ``ddp``'s comparison): it said ``speculating=True`` with no reason."""
+        if not (report.speculating and self._held) or any(d is not None for d in self._tally.decisions):
+            return report
+        why = "; ".join(dict.fromkeys(self._held.values()))
+        what = "every block" if len(self._held) == len(self.layouts) else "every block ready during backward"
+        return dataclasses.replace(report, speculating=False,
+                                   not_speculating_reason=f"{what} was held from speculating: {why}")
 
     def _decide_in_turn(self, ticket: int, *args: Any) -> Any:
         """:meth:`_decide` after the decisions of every block that was ready before (the worker and a
@@ -1489,7 +1522,8 @@ class OffloadEngine:
         self.scaler_state, self.policy_state = plan.scaler_state, plan.policy_state
         self.iteration += 1
         self._events.append(("done", -1))
-        report = EngineStepReport(**{f.name: getattr(plan.report, f.name) for f in fields(StepReport)},
+        held = self._held_report(plan.report)
+        report = EngineStepReport(**{f.name: getattr(held, f.name) for f in fields(StepReport)},
                                   events=tuple(self._events), executor=self.executor_name, iteration=self.iteration)
         if isinstance(self.executor, ThreadExecutor):
             self.executor.submit(BlockOp(next(self._seq), "commit_all"))
