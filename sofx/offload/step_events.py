@@ -15,12 +15,18 @@ class EngineStepReport(StepReport):
 
     ``events``: ``(what, block)`` in the order the main thread observed them
     (``block = -1`` for step-wide events): ``"ready"`` (a block's gradient was
-    final during backward), ``"speculate"`` (its speculative step was
-    submitted), ``"speculated"`` (the executor reported it done), or
+    final during backward and the block was offered for speculation: not one
+    kept on the device, nor one held under ``ddp`` before the ranks' exchange,
+    see ``not_speculating_reason``), ``"speculate"`` (its speculative step was
+    submitted), ``"speculated"`` (the executor reported it done; ``"speculate_failed"``:
+    it raised, which ``step()`` raises), or
     ``"refused"`` (the step was taken back as it ran: its snapshot would have
     gone beyond ``snapshot_budget_bytes``; the block is stepped in validation),
-    ``"late_gradient"``, ``"step_called"``, then the validation actions
-    (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``) and ``"done"``.
+    ``"undo_now"`` (a speculative step undone at once: a late gradient came for
+    its block, to be summed in place, or DDP found a parameter of it unused on
+    every rank), ``"late_gradient"``, ``"step_called"``, then the validation actions
+    (``"commit"``, ``"undo_redo"``, ``"undo"``, ``"step"``; a ``skip`` is not
+    logged) and ``"done"``.
     With an in-process executor (inline, thread) ``"ready"`` and
     ``"speculate"`` are logged where the decision is taken, in the executor,
     in arrival order.
