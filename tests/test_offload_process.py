@@ -722,6 +722,13 @@ def test_every_block_on_the_device_starts_no_worker_and_trains_as_torch_optim() 
         mlp_step_side_by_side(opt, ropt, model, ref, gen)
         opt.zero_grad()
     assert relative_deviation(model, ref) == 0.0
+
+    def child() -> str:  # (no worker, no shared memory: a forked child steps its own copy, as with "inline")
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(7))))
+        opt.step()
+        return "stepped"
+
+    assert _in_a_forked_child(child) == "stepped"  # (it was refused, "its process executor's worker process...")
     opt.close()
     del opt
     assert _resources() == before

@@ -1197,8 +1197,9 @@ class OffloadEngine:
         can). The executor's worker thread does not exist in the child (a step waited for it until the timeout),
         and the process executor's worker and shared memory (gradient buffers, masters, moments) are the parent's:
         a gradient taken in the child went into the parent's step. The inline executor works on the child's own
-        copy of the state, as ``torch.optim`` does."""
-        if self._pid == os.getpid() or self.executor_name == "inline":
+        copy of the state, as ``torch.optim`` does (also the one the process executor runs where every block lives
+        on the device: no worker, no shared memory)."""
+        if self._pid == os.getpid() or isinstance(getattr(self, "executor", None), InlineExecutor):
             return None
         owner = "worker thread is" if self.executor_name == "thread" else "worker process and shared memory are"
         return (f"this optimizer was created in process {self._pid}, and this process ({os.getpid()}) was forked "
