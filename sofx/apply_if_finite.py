@@ -225,7 +225,8 @@ def _grads_all_finite(grads: Any) -> bool | torch.Tensor:
     back where it is read), True without such a leaf. Other leaves are left to the inner optimizer to refuse; a
     leaf whose elements reach past the end of its storage (freed or shrunk: torch's test would read outside any
     allocation) is refused before any is read, a :class:`~sofx.errors.LeafError` naming its path
-    (:func:`~sofx.kernels.storage.refuse_short_storage`), as the inner optimizer would; so is a nested tensor."""
+    (:func:`~sofx.kernels.storage.refuse_short_storage`), as the inner optimizer would; so is a nested tensor, and
+    a meta leaf beside one with data (whose flags cannot be read together)."""
     all_leaves, spec = tree.flatten(grads)
     leaves = [g for g in all_leaves if isinstance(g, torch.Tensor) and g.is_floating_point()]
     if not leaves:
@@ -237,6 +238,14 @@ def _grads_all_finite(grads: Any) -> bool | torch.Tensor:
                                 f"a nested tensor ({g.layout})")
             if isinstance(g, torch.Tensor) and g.is_floating_point() and not in_storage(g):
                 refuse_short_storage(g, lambda: tree.leaf_paths(spec, root="grads")[i])
+    meta = [g.is_meta for g in leaves]
+    if any(meta) and not all(meta):  # (reading a meta flag raised torch's bare "Cannot copy out of meta tensor")
+        paths = tree.leaf_paths(spec, root="grads")
+        index = [i for i, g in enumerate(all_leaves) if isinstance(g, torch.Tensor) and g.is_floating_point()]
+        m, d = meta.index(True), meta.index(False)
+        raise LeafError(f"apply_if_finite: {paths[index[m]]} is a meta tensor, which holds no value, beside "
+                        f"{paths[index[d]]} on {leaves[d].device}: whether the gradients are finite cannot be read; "
+                        "give every gradient with its data (meta gradients go with meta params only)")
     flags = [torch.isfinite(g).all() for g in leaves]
     return torch.stack([f.to(flags[0].device) for f in flags]).all()
 

@@ -564,3 +564,19 @@ def test_vmap_takes_a_state_with_none_for_an_empty_subtree_as_the_eager_step_doe
     got = vmap(step)(params, grads)
     want = vmap(lambda p, g: opt.update(p, g, opt.init(p))[0])(params, grads)
     assert torch.equal(got["w"], want["w"]) and torch.equal(got["w"][1], params["w"][1])
+
+
+@pytest.mark.parametrize("meta_first", [True, False])
+def test_a_meta_gradient_beside_one_with_data_is_refused_naming_both(rng, meta_first):
+    """A meta gradient beside a CPU one raised torch's bare "Cannot copy out of meta tensor; no data!" (or "Tensor on
+    device cpu is not on the expected device meta!") from the finiteness check. Refused naming both leaves and the
+    device, nothing changed."""
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    params = {"a": torch.randn(3, generator=rng), "b": torch.randn(3, generator=rng)}
+    meta, data = torch.empty(3, device="meta"), torch.randn(3, generator=rng)
+    grads = {"a": meta, "b": data} if meta_first else {"a": data, "b": meta}
+    state = opt.init(params)
+    before = [x.clone() for x in _leaves((params, state))]
+    with pytest.raises(LeafError, match=r"grads\['[ab]'\] is a meta tensor.*beside grads\['[ab]'\] on cpu"):
+        opt.update(params, grads, state)
+    assert _bitwise(before, _leaves((params, state)))
