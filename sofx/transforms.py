@@ -647,7 +647,8 @@ def check_finite() -> GradientTransformation:
 # ------------------------------------------------------------ accumulation
 class AccumulationState(NamedTuple):
     """Gradients summed over the micro-steps so far (``None`` leaves: no gradient yet), and how many micro-steps
-    (an integer >= 0)."""
+    (an integer >= 0: a Python int eagerly, a 0-d int64 tensor from :func:`accumulate` under a ``torch.func``
+    transform, ``vmap`` or ``grad``, whose function must return tensors)."""
 
     total: Any
     micro_steps: int = 0
@@ -696,7 +697,11 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
         if acc is not None:  # a state of other params: acc + g broadcast a (1, n) sum to (m, n)
             _check_grad(path, acc, p, "state.total")
     out = [acc if g is None else g.clone() if acc is None else acc + g for acc, g in zip(old, new)]
-    return AccumulationState(tree.unflatten(spec, out), micro_steps + 1)
+    micro_steps = micro_steps + 1
+    if not isinstance(micro_steps, torch.Tensor) and torch._C._functorch.maybe_current_level() is not None:
+        # (a torch.func transform, whose function must return tensors: vmap refused the Python int)
+        micro_steps = torch.tensor(micro_steps, dtype=torch.int64)
+    return AccumulationState(tree.unflatten(spec, out), micro_steps)
 
 
 def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip") -> Any:

@@ -317,6 +317,26 @@ def test_an_accumulation_state_counts_numpy_and_tensor_micro_steps_as_ints(rng):
         assert type(state.micro_steps) is int and state.micro_steps == 3
 
 
+def test_accumulate_under_vmap_returns_a_tensor_micro_step_count(rng):
+    """Under torch.func.vmap the state's micro_steps was a Python int, which vmap refused ("must only return
+    Tensors, got type <class 'int'>"). Under a torch.func transform it is a 0-d int64 tensor (of the eager count),
+    the sums are each member's; eagerly it stays a Python int."""
+    params = {"w": torch.randn(4, 3, generator=rng), "b": torch.randn(4, 2, generator=rng)}
+    grads = {"w": torch.randn(4, 3, generator=rng), "b": torch.randn(4, 2, generator=rng)}
+
+    def two(p, g):
+        return tx.accumulate(tx.accumulate(tx.accumulation_init(p), g, p), g, p)
+
+    state = torch.func.vmap(two)(params, grads)
+    assert isinstance(state.micro_steps, torch.Tensor) and state.micro_steps.tolist() == [2] * 4
+    for k in params:
+        assert torch.equal(state.total[k], grads[k] + grads[k])
+    eager = two(params, grads)
+    assert type(eager.micro_steps) is int and eager.micro_steps == 2
+    got = torch.func.vmap(lambda p, g: tx.accumulated(two(p, g), p))(params, grads)
+    assert all(torch.equal(got[k], eager.total[k]) for k in params)
+
+
 def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
     """A label_fn returning None ("no special group") dropped the leaf from the labels tree: group_hparams then
     gave it the optimizer's defaults, not ``base`` (its scheduled lr was ignored); a tuple became a subtree."""
