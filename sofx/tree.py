@@ -540,25 +540,54 @@ def _holds_mapping(x: PyTree) -> bool:
 
 
 def numel_of(leaves: Sequence[torch.Tensor]) -> int:
-    """Total number of elements of a sequence of tensors."""
-    return sum(t.numel() for t in leaves)
+    """Total number of elements of a sequence of tensors (anything else refused, a ``TypeError`` naming it)."""
+    return sum(t.numel() for t in _tensor_leaves("numel_of", leaves))
+
+
+def _tensor_leaves(who: str, leaves: Any) -> list[torch.Tensor]:
+    """``leaves`` as a list, every element a tensor; else a ``TypeError`` naming ``who`` and what is not (a tensor
+    given as the sequence: iterated as its rows; an int: 'int' object is not iterable; a float leaf: a bare
+    AttributeError from ``numel``)."""
+    if isinstance(leaves, torch.Tensor) or not isinstance(leaves, collections.abc.Iterable):
+        raise TypeError(f"{who}: leaves is a {type(leaves).__name__}, expected a sequence of tensors")
+    leaves = list(leaves)  # (an iterator: 'not subscriptable', or emptied by the checks: 'leaves need 0')
+    for i, t in enumerate(leaves):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{who}: leaves[{i}] is a {type(t).__name__}, expected a tensor")
+    return leaves
 
 
 def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
          device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy ``leaves`` one after another into one flat 1-d tensor (``out`` if given, else a new one of ``dtype``,
-    default the first leaf's). A leaf that this dtype cannot hold without changing its kind (floating point into
-    an integer or bool one, complex into a real one) is refused before anything is written, as ``torch.cat(out=)``
-    refuses it; a cast within a kind is done."""
-    if isinstance(leaves, torch.Tensor) or not isinstance(leaves, collections.abc.Iterable):
-        # (a tensor: torch's bare "Boolean value of Tensor ... is ambiguous"; an int: 'int' object is not iterable)
-        raise TypeError(f"pack: leaves is a {type(leaves).__name__}, expected a sequence of tensors")
-    leaves = list(leaves)  # (an iterator: 'not subscriptable', or emptied by the checks below: 'leaves need 0')
-    for i, t in enumerate(leaves):
-        if not isinstance(t, torch.Tensor):  # (a bare AttributeError from numel)
-            raise TypeError(f"pack: leaves[{i}] is a {type(t).__name__}, expected a tensor")
+    default the first leaf's, on ``device``, default the first leaf's). A leaf that this dtype cannot hold without
+    changing its kind (floating point into an integer or bool one, complex into a real one) is refused before
+    anything is written, as ``torch.cat(out=)`` refuses it; a cast within a kind is done. So are a leaf that is not
+    dense (sparse, nested: no flat view), a meta leaf (no value) for a buffer not on meta, and a ``dtype`` or
+    ``device`` torch does not read as one."""
+    leaves = _tensor_leaves("pack", leaves)
     if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
         raise TypeError(f"pack: out is a {type(out).__name__}, expected a 1-d tensor")
+    if dtype is not None and not isinstance(dtype, torch.dtype):  # (torch.can_cast's bare TypeError for a str)
+        try:
+            dtype = torch.empty(0, dtype=dtype, device="meta").dtype  # (Python's float, as torch reads it)
+        except TypeError:
+            raise TypeError(f"pack: dtype = {dtype!r:.60} ({type(dtype).__name__}), expected a torch.dtype") from None
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"pack: device = {device!r:.60} ({type(device).__name__}) is not a device") from None
+    for i, t in enumerate(leaves):
+        if t.layout != torch.strided or t.is_nested:  # (torch's bare "reshape is not implemented for sparse tensors")
+            raise TypeError(f"pack: leaves[{i}] is a {t.layout} tensor, expected a dense (strided) one")
+    where = out.device if out is not None else device if device is not None else \
+        leaves[0].device if leaves else torch.device("cpu")
+    if where.type != "meta":
+        for i, t in enumerate(leaves):
+            if t.is_meta:  # (torch's bare "Cannot copy out of meta tensor; no data!", out half written)
+                raise ValueError(f"pack: leaves[{i}] is a meta tensor, which holds no value, for a buffer on {where} "
+                                 "(meta leaves pack into a meta buffer only)")
     n = numel_of(leaves)
     if out is not None and (out.numel() != n or out.dim() != 1):
         raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")
@@ -566,13 +595,11 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
         leaves[0].dtype if leaves else torch.float32
     for i, t in enumerate(leaves):
         if not torch.can_cast(t.dtype, target):
-            where = "out's dtype" if out is not None else "the dtype"
-            raise TypeError(f"pack: leaves[{i}] of dtype {t.dtype} cannot be cast to {where} {target} without losing "
+            into = "out's dtype" if out is not None else "the dtype"
+            raise TypeError(f"pack: leaves[{i}] of dtype {t.dtype} cannot be cast to {into} {target} without losing "
                             "its kind")
     if out is None:
-        if device is None:
-            device = leaves[0].device if leaves else "cpu"
-        out = torch.empty(n, dtype=target, device=device)
+        out = torch.empty(n, dtype=target, device=where)
     offset = 0
     for t in leaves:
         k = t.numel()

@@ -226,6 +226,36 @@ def test_pack_refuses_a_dtype_that_would_truncate_a_leaf_without_out(leaves, dty
     assert tree.pack([torch.full((2,), 0.5)], dtype=torch.bfloat16).dtype == torch.bfloat16
 
 
+def test_numel_of_and_pack_refuse_bad_leaves_a_str_dtype_and_meta_leaves_naming_them():
+    """``numel_of`` of a float leaf raised a bare AttributeError ('float' object has no attribute 'numel'), of an
+    int Python's "'int' object is not iterable"; ``pack`` with ``dtype="float32"`` torch.can_cast's bare TypeError,
+    a meta leaf beside CPU ones torch's bare "Cannot copy out of meta tensor; no data!" after the leaves before it
+    were written into ``out``, a sparse leaf "reshape is not implemented for sparse tensors". Each is refused naming
+    it, ``out`` unchanged; meta leaves still pack into a meta buffer."""
+    with pytest.raises(TypeError, match=r"^numel_of: leaves\[1\] is a float, expected a tensor"):
+        tree.numel_of([torch.ones(2), 3.0])
+    for bad in (5, torch.ones(2, 3)):
+        with pytest.raises(TypeError, match=r"^numel_of: leaves is a (int|Tensor), expected a sequence of tensors"):
+            tree.numel_of(bad)
+    assert tree.numel_of(iter([torch.ones(2), torch.ones(3, 2)])) == 8
+    with pytest.raises(TypeError, match=r"^pack: dtype = 'float32' \(str\), expected a torch.dtype"):
+        tree.pack([torch.ones(2)], dtype="float32")
+    assert tree.pack([torch.ones(2)], dtype=float).dtype == torch.float64  # (torch's reading of Python's float)
+    with pytest.raises(ValueError, match=r"^pack: device = 'nope' \(str\) is not a device"):
+        tree.pack([torch.ones(2)], device="nope")
+    out = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"^pack: leaves\[1\] is a meta tensor, which holds no value, for a buffer "
+                                         r"on cpu"):
+        tree.pack([torch.ones(2), torch.empty(2, device="meta")], out=out)
+    assert torch.equal(out, torch.zeros(4))
+    with pytest.raises(ValueError, match=r"^pack: leaves\[1\] is a meta tensor"):
+        tree.pack([torch.ones(2), torch.empty(2, device="meta")])
+    with pytest.raises(TypeError, match=r"^pack: leaves\[0\] is a torch.sparse_coo tensor, expected a dense"):
+        tree.pack([torch.ones(2).to_sparse()])
+    assert tree.pack([torch.empty(2, device="meta"), torch.ones(2)]).is_meta
+    assert tree.pack([torch.ones(2)], device="meta").shape == (2,)
+
+
 def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
     """A leaf of ``pack`` or the buffer of ``unpack`` that is not a tensor (a list, a number) raised a bare
     AttributeError ("'list' object has no attribute 'numel'", "'int' object has no attribute 'dim'"), and
