@@ -34,7 +34,7 @@ where that is certain (``linear(-1e308, 1e308, n)``: ``end - init`` is inf), els
 (``step_decay`` with ``|gamma| > 1``, where torch's StepLR gives an inf lr). So is, at construction, a schedule
 whose first value is >= 0 and whose arguments take it below 0 later (``cosine_decay(0.1, n, alpha=-0.1)``,
 ``linear(0.1, -0.1, n)``: no hparam takes a negative value, and the optimizer refused it mid-run), naming the
-argument.
+argument; and a :func:`join` starting >= 0 with a later schedule below 0 at its own first step, naming that schedule.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, Union
 
+import torch
+
 from sofx.adam import AdamHParams, check_hparam_value, shown_step
 from sofx.errors import HParamError
-from sofx.kernels.base import as_number, is_numpy_real
+from sofx.kernels.base import as_number, is_numpy_real, is_traced
+from sofx.kernels.storage import in_storage
 from sofx.kernels.user_numbers import finite_number, flag, integer
 
 __all__ = [
@@ -409,7 +412,9 @@ class OneCycle:
 @dataclass(frozen=True)
 class Join:
     """Schedule ``k`` on ``[boundaries[k-1], boundaries[k])``, called with ``step - boundaries[k-1]`` (optax's
-    ``join_schedules``)."""
+    ``join_schedules``). Where the join's first value is >= 0, a later schedule below 0 at its own first step is
+    refused at construction, naming it (:meth:`_refuse_negative_starts`: each schedule a step reaches is called
+    once, at its step 0)."""
 
     schedules: tuple[Schedule, ...]
     boundaries: tuple[int, ...]
@@ -431,6 +436,28 @@ class Join:
             if not callable(s):
                 raise HParamError(f"join: schedule {i} is a {type(s).__name__}, not callable")
         _set(self, schedules=schedules, boundaries=tuple(boundaries))
+        self._refuse_negative_starts()
+
+    def _refuse_negative_starts(self) -> None:
+        """As :func:`_stays_nonnegative` for one schedule: where the join's first value is >= 0 (per field of an
+        :class:`AdamHParams`; ``None``, the optimizer's default, counts as >= 0), a later schedule whose value at
+        its own first step is below 0 made a negative hparam mid-run, refused only at that step. Each schedule a
+        step reaches is called once at its step 0 (schedules are pure: cheap); values that cannot be read
+        (traced tensors) are not compared. A join negative from its first step is refused at that step."""
+        starts = [0, *self.boundaries]
+        ends = [*self.boundaries, math.inf]
+        reached = [k for k in range(len(self.schedules)) if starts[k] < ends[k]]
+        first = _start_numbers(self.schedules[reached[0]](0))
+        for k in reached[1:]:
+            for name, value in _start_numbers(self.schedules[k](0)).items():
+                if value is not None and value < 0 and (name not in first or first[name] is not None
+                                                        and first[name] >= 0):
+                    what = f"its {name}" if name else "its value"
+                    was = f"{first[name]!r}" if name in first else "the optimizer's default"
+                    raise HParamError(f"join: schedule {k} ({type(self.schedules[k]).__name__}) starts below 0: "
+                                      f"{what} at its step 0 (the join's step {starts[k]}) is {value!r}, where the "
+                                      f"join starts at {was} (schedule {reached[0]}): a negative hparam mid-run, "
+                                      "refused at that step; expected schedules whose values stay >= 0")
 
     def __call__(self, step: int) -> Any:
         step = _step(step)
@@ -440,6 +467,28 @@ class Join:
                 return sched(step - start)
             start = b
         return self.schedules[-1](step - start)
+
+
+def _start_numbers(value: Any) -> dict[str, float | None]:
+    """The numbers a schedule's ``value`` holds, by hparam name (``""`` for a value that is a number; an
+    :class:`AdamHParams`, its fields that are not ``None``): a Python or numpy real, or a 1-element real tensor
+    whose value can be read; ``None`` for anything else (not read here: checked where a step takes it)."""
+    def number(x: Any) -> float | None:
+        if isinstance(x, bool):
+            return None
+        if isinstance(x, (int, float)) or is_numpy_real(x):
+            try:
+                return float(x)
+            except OverflowError:  # (an int beyond the float range: refused where a step takes it)
+                return None
+        if isinstance(x, torch.Tensor) and x.numel() == 1 and not is_traced(x) and not x.is_complex() \
+                and x.dtype != torch.bool and in_storage(x):
+            return float(x.reshape(()).item())
+        return None
+
+    if isinstance(value, AdamHParams):
+        return {name: number(x) for name, x in zip(AdamHParams._fields, value) if x is not None}
+    return {"": number(value)}
 
 
 FieldSchedule = Union[None, float, Schedule]

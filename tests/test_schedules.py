@@ -515,6 +515,24 @@ def test_join_refuses_arguments_that_are_no_sequences_or_no_schedule_naming_them
         schedules.join(schedules_, boundaries)
 
 
+@pytest.mark.parametrize("later, name, value", [
+    (lambda s: -0.1, "its value", "-0.1"),
+    (schedules.linear(-0.1, 0.2, 5), "its value", "-0.1"),
+    (lambda s: torch.tensor(-1.0), "its value", "-1.0"),
+    (lambda s: AdamHParams(weight_decay=-0.5), "its weight_decay", "-0.5")])
+def test_join_refuses_a_later_schedule_negative_from_its_first_step_naming_it(later, name, value):
+    """join([constant(0.1), a schedule negative at its step 0], [10]) was taken and made a negative lr at step 10,
+    which the optimizer refused only then, mid-run (each of sofx's schedules refuses such arguments at
+    construction). Refused at construction naming the schedule, the step and the value; a join negative from its
+    first step, a schedule no step reaches and values that stay >= 0 are taken as before."""
+    with pytest.raises(HParamError, match=rf"^join: schedule 1 \(\w+\) starts below 0: {name} at its step 0 \(the "
+                                          rf"join's step 10\) is {value}"):
+        schedules.join([schedules.constant(0.1), later], [10])
+    schedules.join([later, later], [10])
+    schedules.join([schedules.constant(0.1), later, schedules.constant(0.2)], [10, 10])
+    assert schedules.join([schedules.constant(0.1), schedules.linear(0.1, 0.0, 3)], [10])(12) == pytest.approx(0.1 / 3)
+
+
 def test_join_made_from_lists_is_the_one_of_tuples():
     """Join([...], [...]) kept its lists: it was unhashable and unequal to join(...)'s (tuples)."""
     c = schedules.constant(1.0)
