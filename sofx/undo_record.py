@@ -107,7 +107,8 @@ _TENSOR_FIELDS = ("grad", "count_before", "p_old", "m_old", "v_old", "chunks")
 # The fields whose tensors' versions a record takes (LeafUndo._versions, in this order), and how a refusal names them.
 _VERSIONED = {"grad": "the gradient the step took", "p_old": "the old parameter the record keeps",
               "m_old": "the old first moment the record keeps", "v_old": "the old second moment the record keeps",
-              "chunks": "the indices of the chunks the record keeps"}
+              "chunks": "the indices of the chunks the record keeps",
+              "count_before": "the step count tensor of the state the step was taken from"}
 _CHANGED_HINT = {
     "grad": ("its undo would invert the step with the values written since; a p.grad.zero_(), an optimizer's "
              "zero_grad(set_to_none=False), the next backward accumulating into .grad or an in-place clip_grad_norm_ "
@@ -116,6 +117,9 @@ _CHANGED_HINT = {
     "kept": ("its undo would restore the values written since; the record of an update without donation keeps the "
              "params and moments passed in, not copies: leave them unchanged while the record may be undone (copy "
              "the new values elsewhere), or update with donate=True (its record keeps copies)"),
+    "count_before": ("its undo would return the count written since as the state's count (not the step's count "
+                     "before it); the record keeps the old state's count tensor, not a copy: leave it unchanged while "
+                     "the record may be undone (make a new count instead: state.count + 1, not += 1)"),
 }
 
 _NOT_PICKLED = ("cannot be pickled (pickle, torch.save): a loaded copy could not know whether its step was "
@@ -200,16 +204,17 @@ class LeafUndo(_UsedOnce):
     writes a count tensor in place: ``update``/``undo``/``undo_redo`` make new counts even with donation
     (which covers the params and moments only), the offload engine passes Adam clones of its block counts
     (``set_param_state``, ``reset_state`` and ``load_state_dict`` write the block counts, never those), and
-    checkpoint loads and imports make new tensors. A caller writing into a count tensor by hand must not do
-    so while a record holding it may still be undone.
+    checkpoint loads and imports make new tensors. A caller writing into that count tensor by hand while the
+    record may still be undone (``count[...] += 1``, ``zero_()``: the undo returned the count written since, without
+    a word) has the undo refused, as for the tensors below.
 
     ``owns_kept``: whether ``p_old, m_old, v_old`` are the record's own (see the module docstring; False, the
     default, is always safe: an undo_redo of the record then copies what its new record keeps of them).
 
-    The versions of ``grad, p_old, m_old, v_old, chunks`` (``Tensor._version``) are taken when the record is made
-    (the library takes them again after its own writes into a record's kept values: :meth:`note_versions`); an
-    undo or undo_redo of a record whose tensor was written in place since is refused, an
-    :class:`~sofx.errors.UndoError` naming the leaf and the tensor, before anything is written
+    The versions of ``grad, p_old, m_old, v_old, chunks, count_before`` (``Tensor._version``) are taken when the
+    record is made (the library takes them again after its own writes into a record's kept values:
+    :meth:`note_versions`); an undo or undo_redo of a record whose tensor was written in place since is refused,
+    an :class:`~sofx.errors.UndoError` naming the leaf and the tensor, before anything is written
     (:meth:`changed_in_place`; see the module docstring). A copy shares them (``copy.copy``), a deep copy carries
     what was written before it into its own tensors' versions, a pytree unflatten keeps them for the very tensors
     flattened.
@@ -262,7 +267,7 @@ class LeafUndo(_UsedOnce):
         # every step, ~1 us)
         self._versions = None if torch.compiler.is_compiling() else (
             tensor_version(self.grad), tensor_version(self.p_old), tensor_version(self.m_old),
-            tensor_version(self.v_old), tensor_version(self.chunks))
+            tensor_version(self.v_old), tensor_version(self.chunks), tensor_version(self.count_before))
 
     def changed_in_place(self) -> str | None:
         """Why an undo of this record is refused, or None: the first of its tensors written in place since the
@@ -276,7 +281,7 @@ class LeafUndo(_UsedOnce):
                 continue
             now = None if was is None else tensor_version(getattr(self, field))
             if now is not None and now != was:
-                hint = _CHANGED_HINT["grad" if field == "grad" else "kept"]
+                hint = _CHANGED_HINT[field if field in ("grad", "count_before") else "kept"]
                 return (f"{what} was changed in place since the step (its version {now}, {was} at the step): "
                         f"{hint}")
         return None

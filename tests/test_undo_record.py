@@ -260,6 +260,26 @@ def test_each_kept_tensor_of_the_caller_written_since_the_step_is_named(written,
     assert not rec.used
 
 
+@pytest.mark.parametrize("write", ["add_", "zero_"])
+@pytest.mark.parametrize("call", ["undo", "undo_redo"])
+def test_a_step_count_written_in_place_since_the_step_refuses_the_undo(write, call):
+    """A record keeps the old state's count tensor itself (``count_before``), which its undo returns as the state's
+    count: a ``state.count[...] += 1`` or ``zero_()`` on it since the step made the undo return the count written
+    (6 where 1 was due), without a word, its version not being taken. Refused naming the leaf and the count, the
+    record unused; a count left alone undoes as before."""
+    opt, params, g1, g2, state = _problem()
+    before = clone_tree((params, state))
+    p1, s1, _ = opt.update(params, g1, state)
+    p2, s2, rec2 = opt.update(p1, g2, s1)
+    getattr(s1.count["a"], write)(*([5] if write == "add_" else []))
+    with pytest.raises(sofx.UndoError, match=r"^params\['a'\]: the step count tensor of the state the step was taken "
+                                             r"from was changed in place since the step"):
+        opt.undo(p2, s2, rec2) if call == "undo" else opt.undo_redo(p2, s2, rec2, g1)
+    assert not rec2.used
+    p3, s3, rec3 = opt.update(params, g2, state)
+    assert trees_equal(opt.undo(p3, s3, rec3), before)
+
+
 def test_records_of_one_layout_have_one_structure_whatever_their_tensors_versions():
     """Records of two steps of the same params (unused) have the same pytree structure, as before versions were
     taken: a tree_map over both (a batch of records stacked for vmap) raised torch's 'Node context mismatch for
