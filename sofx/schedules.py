@@ -306,8 +306,10 @@ class OneCycle:
 
     Both are torch's bit for bit at every step up to ``total_steps``. Step ``total_steps`` is past the
     cycle (the value torch's scheduler sets after its last step): the last anneal carried past its end, an lr
-    below the final one under ``"linear"`` (negative for short cycles, which the optimizer refuses), above it
-    under ``"cos"``. A later step is refused, where torch's scheduler raises.
+    above the final one under ``"cos"``, below it under ``"linear"``: ``final - (start - final) / L`` for a last
+    phase of ``L`` steps from ``start`` (``max_lr``; three phases: ``max_lr / div_factor``), negative (which the
+    optimizer refuses) unless ``L`` reaches ``start / final - 1`` (``div_factor * final_div_factor - 1``, 249999 with
+    the defaults; three phases: ``final_div_factor - 1``). A later step is refused, where torch's scheduler raises.
     """
 
     max_lr: float
