@@ -656,8 +656,17 @@ class AccumulationState(NamedTuple):
 
 def accumulation_init(params: Any) -> AccumulationState:
     """No gradient yet for any leaf of ``params``."""
-    leaves, spec = tree.flatten(params)
-    return AccumulationState(tree.unflatten(spec, [None] * len(leaves)), 0)
+    return AccumulationState(tree.tree_map(lambda _: None, params), 0)  # (see _like_params)
+
+
+def _like_params(params: Any, spec: Any, values: Sequence[Any]) -> Any:
+    """``values`` (one per leaf, in :func:`sofx.tree.flatten`'s order) in the structure ``spec`` of ``params``. Where
+    every value is ``None`` by a map over ``params``: under ``torch.compile`` dynamo's stand-in for optree did not
+    unflatten a spec over leaves that are all ``None`` (an InternalTorchDynamoError, "unhashable type: 'list'").
+    (Only there: its map visits a dict's leaves in insertion order, its flatten in sorted key order.)"""
+    if all(v is None for v in values):
+        return tree.tree_map(lambda _: None, params)
+    return tree.unflatten(spec, values)
 
 
 def _micro_steps(who: str, state: AccumulationState) -> int | torch.Tensor:
@@ -701,7 +710,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     if not isinstance(micro_steps, torch.Tensor) and torch._C._functorch.maybe_current_level() is not None:
         # (a torch.func transform, whose function must return tensors: vmap refused the Python int)
         micro_steps = torch.tensor(micro_steps, dtype=torch.int64)
-    return AccumulationState(tree.unflatten(spec, out), micro_steps)
+    return AccumulationState(_like_params(params, spec, out), micro_steps)
 
 
 def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip") -> Any:
@@ -719,7 +728,7 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
             _check_grad(path, t, p, "state.total")
     if missing_grad == "zero":
         totals = [torch.zeros_like(p) if t is None else t for p, t in zip(leaves, totals)]
-    return tree.unflatten(spec, totals)
+    return _like_params(params, spec, totals)
 
 
 def _check_params(who: str, paths: Sequence[str], leaves: Sequence[Any]) -> None:

@@ -475,6 +475,27 @@ def test_gradient_transforms_of_a_dict_without_gradients_compile(grads):
         assert [float(x) for x in sofx.tree.flatten(state)[0]] == [float(x) for x in sofx.tree.flatten(want)[0]]
 
 
+def test_gradient_accumulation_of_no_gradient_yet_compiles():
+    """accumulation_init, an accumulate of no gradient (grads=None) and accumulated of such a state did not trace:
+    their dict of ``None`` leaves was built by unflattening the params' spec, which dynamo's stand-in for optree
+    did not do over values that are all None (InternalTorchDynamoError "unhashable type: 'list'"). They map over
+    the params instead: fullgraph, the eager values."""
+    torch._dynamo.reset()
+    tx = sofx.transforms
+    params = {"w": torch.randn(3, 2), "deep": [torch.randn(2)]}
+    grads = {"w": torch.randn(3, 2), "deep": [None]}
+
+    def run(p, g):
+        empty = tx.accumulate(tx.accumulation_init(p), None, p)
+        return tx.accumulated(empty, p), tx.accumulate(empty, g, p)
+
+    (none, state) = torch.compile(run, backend="eager", fullgraph=True)(params, grads)
+    want_none, want = run(params, grads)
+    assert none == want_none == {"w": None, "deep": [None]}
+    assert state.micro_steps == want.micro_steps == 2 and state.total["deep"] == [None]
+    assert torch.equal(state.total["w"], want.total["w"])
+
+
 def test_a_compiled_apply_block_action_refuses_an_action_applied_already():
     """apply_block_action carries an action that writes out once (BlockAction.applied_cell). The cell was made at
     the first application: made while tracing, it was not guarded, so the compiled function stepped the block
