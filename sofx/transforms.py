@@ -184,12 +184,30 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
     ``total = sum_b s_b`` over the blocks ``b`` whose ``s_b`` (:func:`sumsq` of the block) is not ``None``,
     added left to right in float64 (Python floats). The order is fixed (block index, not arrival order) so
     that every path that sums the same blocks gets the same bits.
+
+    Each ``s_b`` is a sum of squares: a number >= 0, inf or nan (a non-finite gradient's); a Python or numpy
+    number, or a 1-element tensor whose value can be read. Anything else (a negative sum, which made the norm wrong
+    without a word; a str, Python's bare TypeError) is refused, an :class:`HParamError` naming its index.
     """
     total = 0.0
-    for s in block_sumsq:
+    for i, s in enumerate(block_sumsq):
         if s is not None:
-            total += s
+            total += s if type(s) is float and not s < 0 else _block_sumsq_value(i, s)
     return total
+
+
+def _block_sumsq_value(i: int, s: Any) -> float:
+    """:func:`total_sumsq`'s ``block_sumsq[i]`` as a Python float, checked."""
+    x = real_number(s, f"total_sumsq: block_sumsq[{i}]")
+    try:
+        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else -math.inf
+    except OverflowError:  # an int beyond the float range
+        f = math.inf
+    if not (f >= 0 or math.isnan(f)):
+        raise HParamError(f"total_sumsq: block_sumsq[{i}] = {s!r:.80} ({type(s).__name__}) is invalid; expected a "
+                          "sum of squares >= 0 (inf or nan where a gradient is not finite: a Python or numpy number, "
+                          "or a 1-element tensor whose value can be read) or None (no gradient)")
+    return f
 
 
 def _dense_float(g: Any) -> bool:

@@ -337,6 +337,21 @@ def test_accumulate_under_vmap_returns_a_tensor_micro_step_count(rng):
     assert all(torch.equal(got[k], eager.total[k]) for k in params)
 
 
+@pytest.mark.parametrize("bad, kind", [(-1.0, "float"), ("a", "str"), (True, "bool"), (torch.ones(2), "Tensor")])
+def test_total_sumsq_refuses_what_is_no_sum_of_squares_naming_its_index(bad, kind):
+    """A negative block sum (no sum of squares) was added in without a word, making the norm wrong; a str raised
+    Python's bare TypeError from ``+=``; a 2-element tensor made the total a tensor. Refused naming the index; a
+    numpy number or a 1-element tensor is read as the Python float it holds, inf and nan (a non-finite gradient's)
+    pass."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(HParamError, match=rf"^total_sumsq: block_sumsq\[2\] = .* \({kind}\) is invalid; expected a "
+                                          r"sum of squares >= 0"):
+        tx.total_sumsq([1.0, None, bad])
+    got = tx.total_sumsq([1, None, np.float64(2.0), torch.tensor([3.0])])
+    assert type(got) is float and got == 6.0
+    assert tx.total_sumsq([math.inf, 1.0]) == math.inf and math.isnan(tx.total_sumsq([1.0, math.nan]))
+
+
 def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
     """A label_fn returning None ("no special group") dropped the leaf from the labels tree: group_hparams then
     gave it the optimizer's defaults, not ``base`` (its scheduled lr was ignored); a tuple became a subtree."""
