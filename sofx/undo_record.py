@@ -394,7 +394,11 @@ class UndoRecord(_UsedOnce):
         if not isinstance(variant, AdamVariant):
             raise UndoError(f"variant: expected an AdamVariant, got {type(variant).__name__} (whether a leaf's kept "
                             "tensors are the record's own is its LeafUndo.owns_kept; a record takes no 'donated')")
-        self.leaves = tuple(leaves)
+        try:
+            self.leaves = tuple(leaves)
+        except TypeError:  # (None, a LeafUndo alone: Python's bare "'NoneType' object is not iterable")
+            raise UndoError(f"leaves: expected a sequence of LeafUndo (or None), one per leaf of the params, got "
+                            f"{type(leaves).__name__}") from None
         for i, leaf in enumerate(self.leaves):
             if leaf is not None and not isinstance(leaf, LeafUndo):
                 raise UndoError(f"leaves[{i}]: expected a LeafUndo or None, got {type(leaf).__name__}")

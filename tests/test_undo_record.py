@@ -280,6 +280,18 @@ def test_a_step_count_written_in_place_since_the_step_refuses_the_undo(write, ca
     assert trees_equal(opt.undo(p3, s3, rec3), before)
 
 
+def test_an_undo_record_of_leaves_that_are_no_sequence_is_refused_naming_them():
+    """UndoRecord(None, spec, variant) or of one LeafUndo not in a list raised Python's bare "'NoneType' object is
+    not iterable"; an UndoError names the argument and what it expects."""
+    opt, params, g1, _, state = _problem()
+    _, _, rec = opt.update(params, g1, state)
+    for bad, kind in ((None, "NoneType"), (rec.leaves[0], "LeafUndo")):
+        with pytest.raises(sofx.UndoError, match=rf"^leaves: expected a sequence of LeafUndo \(or None\), one per leaf "
+                                                 rf"of the params, got {kind}"):
+            UndoRecord(bad, rec.spec, rec.variant)
+    assert not rec.used
+
+
 def test_records_of_one_layout_have_one_structure_whatever_their_tensors_versions():
     """Records of two steps of the same params (unused) have the same pytree structure, as before versions were
     taken: a tree_map over both (a batch of records stacked for vmap) raised torch's 'Node context mismatch for
