@@ -68,7 +68,8 @@ def leaves(tree: PyTree) -> list[Any]:
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
-    """Inverse of :func:`flatten`."""
+    """Inverse of :func:`flatten` (``spec`` anything but a tree structure: a ``TypeError`` naming it)."""
+    _check_spec("unflatten", spec)
     return optree.tree_unflatten(spec, list(leaves))
 
 
@@ -199,6 +200,15 @@ def _is_treespec(x: Any) -> bool:
     return isinstance(x, optree.PyTreeSpec) or (torch.compiler.is_compiling() and type(x).__name__ == "PyTreeSpec")
 
 
+def _check_spec(who: str, spec: Any) -> None:
+    """``spec`` must be a tree structure (:func:`_is_treespec`: what :func:`flatten` returns), else a ``TypeError``
+    naming ``who`` (a tree given in its place raised a bare AttributeError: 'dict' object has no attribute
+    'unflatten')."""
+    if not (isinstance(spec, optree.PyTreeSpec) or _is_treespec(spec)):
+        raise TypeError(f"{who}: spec is a {type(spec).__name__}, expected a tree structure (the spec "
+                        "sofx.tree.flatten(tree) returns with the leaves)")
+
+
 def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = "params") -> list[Any]:
     """Flatten ``tree`` against ``spec``: one entry (a leaf or a subtree) per leaf of ``spec``.
 
@@ -206,8 +216,9 @@ def flatten_up_to(spec: TreeSpec, tree: PyTree, what: str = "tree", root: str = 
     (a missing gradient); ``None`` where ``spec`` has a subtree without leaves
     (``[]``, ``{}``: a module without parameters) is taken as that subtree (it
     has no entry to give). Raises :class:`StructureError` naming the first path
-    where ``tree`` does not match.
+    where ``tree`` does not match (``spec`` anything but a tree structure: a ``TypeError`` naming it).
     """
+    _check_spec("flatten_up_to", spec)
     try:
         return spec.flatten_up_to(tree)
     except (ValueError, TypeError) as exc:
@@ -428,8 +439,9 @@ def broadcast_prefix(prefix: PyTree, spec: TreeSpec, is_leaf: Callable[[Any], bo
     mapping of the prefix is matched key by key, whatever its order (a dict over an ``OrderedDict``).
     ``full_tree``: the tree ``spec`` is the structure of, where the caller has it: under ``torch.compile``, where
     it holds a mapping (in a custom node too), the prefix is matched to it leaf path by leaf path
-    (:func:`_broadcast_prefix_traced`).
+    (:func:`_broadcast_prefix_traced`). ``spec`` anything but a tree structure: a ``TypeError`` naming it.
     """
+    _check_spec("broadcast_prefix", spec)
     if is_leaf is not None and is_leaf(prefix):
         # One value for every leaf (no tree walked: also under torch.compile).
         return [prefix] * spec.num_leaves

@@ -256,6 +256,19 @@ def test_numel_of_and_pack_refuse_bad_leaves_a_str_dtype_and_meta_leaves_naming_
     assert tree.pack([torch.ones(2)], device="meta").shape == (2,)
 
 
+def test_unflatten_flatten_up_to_and_broadcast_prefix_refuse_a_tree_given_as_the_spec():
+    """A tree given where the structure is expected raised a bare AttributeError ('dict' object has no attribute
+    'unflatten' / 'flatten_up_to' / 'num_leaves'). A TypeError names the function and what was given."""
+    params = {"w": torch.ones(2), "b": [torch.ones(1)]}
+    for call, who in ((lambda: tree.unflatten(params, [1, 2]), "unflatten"),
+                      (lambda: tree.flatten_up_to(params, params), "flatten_up_to"),
+                      (lambda: tree.broadcast_prefix(1.0, params), "broadcast_prefix")):
+        with pytest.raises(TypeError, match=rf"^{who}: spec is a dict, expected a tree structure"):
+            call()
+    spec = tree.flatten(params)[1]
+    assert tree.unflatten(spec, [1, 2]) == {"w": 2, "b": [1]} and tree.broadcast_prefix(1.0, spec) == [1.0, 1.0]
+
+
 def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
     """A leaf of ``pack`` or the buffer of ``unpack`` that is not a tensor (a list, a number) raised a bare
     AttributeError ("'list' object has no attribute 'numel'", "'int' object has no attribute 'dim'"), and
