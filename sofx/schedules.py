@@ -502,7 +502,8 @@ class HParamsSchedule:
 
     ``base`` (a schedule returning :class:`AdamHParams`, e.g. :func:`one_cycle`)
     is evaluated first; the per-field entries that are not ``None`` override it.
-    A keyword that is no field is refused as :func:`hparams_schedule` refuses it.
+    A keyword that is no field is refused as :func:`hparams_schedule` refuses it. Every value a step returns, from
+    a field's schedule or from ``base``, is checked as the optimizer checks it (``check_hparam_value``).
     """
 
     lr: FieldSchedule = None
@@ -544,8 +545,11 @@ class HParamsSchedule:
                                   f"({type(f).__name__}) returned an AdamHParams, the whole hparams; give it as "
                                   f"base=... (hparams_schedule(base=schedule)), or a schedule of {name} alone"
                                   + (f" ({name}=one_cycle(...).{name})" if name in ("lr", "beta1") else ""))
-            if callable(f) and value is not None:
-                check_hparam_value(name, value, "hparams_schedule", f" at step {shown_step(step)}")
+            if value is not None and (callable(f) or f is None and self.base is not None):
+                # (base's too: a numpy float16 lr of it was read below as the Python number it holds, taken where the
+                # optimizer refuses it, and a negative one went on to the step)
+                check_hparam_value(name, value, "hparams_schedule", f" at step {shown_step(step)}"
+                                   + ("" if callable(f) else " (from base)"))
             values.append(as_number(value) if is_numpy_real(value) else value)
         return AdamHParams(*values)
 

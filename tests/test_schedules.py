@@ -533,6 +533,24 @@ def test_join_refuses_a_later_schedule_negative_from_its_first_step_naming_it(la
     assert schedules.join([schedules.constant(0.1), schedules.linear(0.1, 0.0, 3)], [10])(12) == pytest.approx(0.1 / 3)
 
 
+@pytest.mark.parametrize("value, pattern", [
+    ("float16", r"lr = np.float16\(0.1\) is a float16 number"),
+    (-1.0, r"lr = -1.0 is invalid; expected lr >= 0"),
+    ("a", r"lr must be a float or a 0-d tensor, got str")])
+def test_hparams_schedule_checks_the_values_its_base_returns_as_its_fields(value, pattern):
+    """The values a field's schedule returns are checked (a numpy float16 lr refused, as the optimizer refuses it);
+    those of ``base`` were not: its numpy float16 lr was read as the Python number it holds (0.0999755859375), taken
+    where the optimizer refuses it, and a negative or str lr went on to the step. Checked alike, naming the step and
+    base; a field given overrides base's value, which is then not read."""
+    np = pytest.importorskip("numpy")
+    lr = np.float16(0.1) if value == "float16" else value
+    sched = schedules.hparams_schedule(base=lambda t: AdamHParams(lr=lr, beta1=0.9))
+    with pytest.raises(HParamError, match=rf"^hparams_schedule at step 3 \(from base\): {pattern}"):
+        sched(3)
+    assert schedules.hparams_schedule(lr=0.2, base=lambda t: AdamHParams(lr=lr, beta1=0.9))(3) == \
+        AdamHParams(lr=0.2, beta1=0.9)
+
+
 def test_join_made_from_lists_is_the_one_of_tuples():
     """Join([...], [...]) kept its lists: it was unhashable and unequal to join(...)'s (tuples)."""
     c = schedules.constant(1.0)
