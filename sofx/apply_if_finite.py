@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, validate_grads_finite
+from sofx.adam import Adam, AdamState, validate_grads_finite
 from sofx.errors import LeafError, SofxError, UndoError, UnsupportedError
 from sofx.kernels.base import is_traced, vmapped
 from sofx.kernels.storage import in_storage, refuse_short_storage
@@ -255,8 +255,12 @@ def _finite_counters(state: Any, params: Any) -> tuple[Any, Any, Any]:
     whose counts are integers >= 0 and whose ``last_finite`` is a bool (Python values or 0-d tensors; a tensor
     whose value cannot be read, as ``vmap`` gives, of an integer or bool dtype; a meta one only where no leaf of
     ``params`` has data: it holds no value, and ``torch.where`` with those leaves raised a bare device mismatch);
-    else a :class:`SofxError` naming the field."""
+    else a :class:`SofxError` naming the field (an ``inner_state`` that is no :class:`~sofx.AdamState`, a
+    :class:`~sofx.errors.LeafError`, as the inner optimizer's refusal)."""
     _check_state("apply_if_finite", state, ApplyIfFiniteState, "apply_if_finite(opt).init(params)")
+    if not isinstance(state.inner_state, AdamState):  # (the inner step's refusal named it "state", an AdamState)
+        raise LeafError(f"apply_if_finite: state.inner_state is a {type(state.inner_state).__name__}; expected the "
+                        "inner optimizer's AdamState (apply_if_finite(opt).init(params) makes the state)")
     meta = [name for name in ("notfinite_count", "last_finite", "total_notfinite")
             if isinstance(getattr(state, name), torch.Tensor) and getattr(state, name).is_meta]
     if meta and not torch.compiler.is_compiling() and any(

@@ -580,3 +580,21 @@ def test_a_meta_gradient_beside_one_with_data_is_refused_naming_both(rng, meta_f
     with pytest.raises(LeafError, match=r"grads\['[ab]'\] is a meta tensor.*beside grads\['[ab]'\] on cpu"):
         opt.update(params, grads, state)
     assert _bitwise(before, _leaves((params, state)))
+
+
+@pytest.mark.parametrize("call", ["update", "undo"])
+def test_a_state_whose_inner_state_is_no_adam_state_is_refused_naming_it(rng, call):
+    """An ApplyIfFiniteState whose inner_state is no AdamState (None, a LoopState's field taken by mistake) was
+    refused by the inner step as "state: expected an AdamState, got NoneType", naming the state the caller gave,
+    an ApplyIfFiniteState. The refusal names state.inner_state, nothing changed."""
+    opt = sofx.apply_if_finite(sofx.adamw(lr=1e-2), 2)
+    params = _params(rng)
+    p1, s1, rec = opt.update(params, _grads(rng), opt.init(params))
+    for bad in (None, (1, 2, 3)):
+        with pytest.raises(LeafError, match=r"^apply_if_finite: state\.inner_state is a (NoneType|tuple); expected "
+                                            r"the inner optimizer's AdamState"):
+            if call == "update":
+                opt.update(p1, _grads(rng), s1._replace(inner_state=bad))
+            else:
+                opt.undo(p1, s1._replace(inner_state=bad), rec)
+    assert not rec.inner.used
