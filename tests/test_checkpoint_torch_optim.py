@@ -872,6 +872,29 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_import_naming_its_group_a
         assert getattr(hp, key) == value
 
 
+@pytest.mark.parametrize("key, value, where", [
+    ("lr", np.float16(1e-3), r"\['lr'\] = np\.float16\(0\.001\) is a float16 number"),
+    ("betas", (torch.tensor(0.9, dtype=torch.float16), torch.tensor(0.999, dtype=torch.float16)),
+     r"\['betas'\]\[0\] = tensor\(0\.8999, dtype=torch\.float16\) is a float16 number"),
+    ("weight_decay", torch.tensor([0.1], dtype=torch.bfloat16), r"\['weight_decay'\] = tensor\(\[0\.1001\], "
+                                                                 r"dtype=torch\.bfloat16\) is a bfloat16 number")])
+def test_a_saved_half_precision_hparam_is_refused_at_import_as_update_refuses_it(key, value, where):
+    """A float16 or bfloat16 lr, beta or weight_decay in a torch.optim state dict (a LambdaLR whose lambda returns a
+    numpy float16 makes the group's lr one), which torch.optim's for-loop step computes with in that precision, was
+    imported as the Python float it holds: the run went on with another step than torch's, where update, the offload
+    facade and its load_state_dict refuse such a value. Refused at import naming the group and key, nothing
+    imported; a float16 eps (torch adds it to a float32 tensor) is taken, as update takes it."""
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0][key] = value
+    saved = copy.deepcopy(sd)
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    assert _equal(sd["state"], saved["state"])
+    _, sd = _adamw_state_dict()
+    sd["param_groups"][0]["eps"] = np.float16(1e-3)
+    assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].eps == float(np.float16(1e-3))
+
+
 @pytest.mark.parametrize("hp, where", [
     (sofx.AdamHParams(lr=-0.1), r"lr = -0\.1 is invalid; expected lr >= 0"),
     (sofx.AdamHParams(beta1=1.0), r"beta1 = 1\.0 is invalid; expected 0 <= beta1 < 1"),

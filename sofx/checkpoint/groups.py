@@ -37,7 +37,7 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range
+from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range, refuse_half_precision
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError, LeafError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
@@ -92,7 +92,8 @@ def one_element(x: Any) -> Any:
 
 
 def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError] = CheckpointError, *,
-                  float32: str | None = None, range_error: type[CheckpointError] = CheckpointError) -> AdamHParams:
+                  float32: str | None = None, range_error: type[CheckpointError] = CheckpointError,
+                  half: bool = False) -> AdamHParams:
     """A saved param group's lr, betas, eps and weight_decay as floats. Where one is missing or the betas are not
     a pair: ``error`` with the message ``missing`` and what is wrong. Each is a real number (a Python or numpy one, or a
     tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
@@ -103,7 +104,10 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     stepped in float32, why (the words ending the refusal): the values float32 cannot hold are refused too
     (:func:`~sofx.adam.check_float32_range`, as ``update`` refuses them at the first step, naming a leaf). A number
     out of range is ``range_error`` (a :class:`CheckpointError`: an eps of 0 is torch's and DeepSpeed's to step, no
-    damage to the file, where ``error`` may say the file is corrupt)."""
+    damage to the file, where ``error`` may say the file is corrupt). ``half``: the group is a torch.optim one, whose
+    for-loop step computes with a float16 or bfloat16 lr, beta or weight_decay in that precision: such a value is
+    ``range_error`` too, as :meth:`~sofx.Adam.update` refuses it (:func:`~sofx.adam.refuse_half_precision`; read as
+    the float it holds, the run went on with another step than torch's)."""
     try:
         b1, b2 = group["betas"]
         raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
@@ -112,6 +116,11 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
         raise error(f"{missing} ({type(exc).__name__}: {exc})") from None
     values = []
     for (name, x), field in zip(raw, AdamHParams._fields):
+        if half:
+            try:
+                refuse_half_precision(field, x, "", label=f"{at}{name}")
+            except HParamError as exc:
+                raise range_error(str(exc)) from None
         v = as_number(one_element(x), f"{at}{name}", error)
         if not (is_number(v) and isinstance(v, numbers.Real)):  # (a complex is a number float() refuses)
             raise error(f"{at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")

@@ -408,12 +408,13 @@ def _warn_assumed_decay(opt: Adam, saved_groups: Sequence[dict], group_hp: list[
 
 def _group_hparams(saved: dict, gi: int, members: list[Any]) -> AdamHParams:
     """Saved ``param_groups[gi]``'s hparams (:func:`~sofx.checkpoint.groups.saved_hparams`: numbers in their
-    ranges), refused where float32 cannot hold them and a leaf of the group (``members``) is stepped in float32
+    ranges, not float16 or bfloat16 where torch.optim's step computes in that precision), refused where float32 cannot
+    hold them and a leaf of the group (``members``) is stepped in float32
     (every dtype but float64), as ``update`` would refuse them at the first step, naming a leaf and not the entry."""
     wide = all(isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in members)
     return saved_hparams(saved, f"from_torch_optim: param_groups[{gi}]",
                          f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay",
-                         float32=None if wide else "a leaf of the group is not float64")
+                         float32=None if wide else "a leaf of the group is not float64", half=True)
 
 
 def _leaves_by_name(params: Any) -> dict[str, int]:
