@@ -2088,10 +2088,14 @@ def _half_precision(value: Any) -> str:
 def refuse_half_precision(name: str, value: Any, where: str, path: str = "", label: str | None = None) -> None:
     """Refuse (an :class:`HParamError` naming ``where + path``) a value of hparam ``name`` of :data:`_HALF_REFUSED`
     that is :func:`_half_precision`. ``label``: how the value is named instead of ``where + path: name`` (the offload
-    facade's ``param_groups[0]['betas'][0]``, whose groups torch.optim steps with it)."""
+    facade's ``param_groups[0]['betas'][0]``, whose groups torch.optim steps with it). A tensor whose storage does not
+    hold its element (freed, shrunk) is refused as that first (:func:`~sofx.kernels.storage.refuse_short_storage`):
+    its repr read the freed memory (a segmentation fault)."""
     kind = _half_precision(value) if name in _HALF_REFUSED else ""
     if kind:
         label = f"{where}{path}: {name}" if label is None else label
+        if isinstance(value, torch.Tensor) and not in_storage(value):
+            refuse_short_storage(value, label, HParamError)
         raise HParamError(f"{label} = {value!r:.60} is a {kind} number: torch.optim's for-loop and "
                           f"foreach AdamW compute with it in {kind} (1 - lr * weight_decay rounds to 1 below "
                           f"lr * weight_decay = {2 ** -12 if kind == 'float16' else 2 ** -9!r}: no decay), its "

@@ -165,3 +165,59 @@ print("ok")
 
 def test_a_number_given_as_a_tensor_whose_storage_was_freed_or_shrunk_is_refused_naming_it():
     script_prints_ok(_FREED_NUMBER)
+
+
+# The same for a float16 or bfloat16 lr, beta or weight_decay: the refusal of its precision (torch's for-loop step
+# computes in it) showed the tensor's repr before its storage was looked at, and that repr read the freed memory (a
+# segmentation fault at the constructor, a step, a schedule, the offload facade or from_torch_optim).
+_FREED_HALF_NUMBER = """
+import copy
+import re
+import torch
+from refusal_script import clones, expect_refused
+import sofx
+import sofx.checkpoint as ck
+import sofx.offload
+from sofx import AdamHParams
+from sofx.checkpoint import CheckpointError
+from sofx.errors import HParamError
+
+
+def number(value, keep, dtype):
+    t = torch.tensor(value, dtype=dtype)
+    t.untyped_storage().resize_(keep)
+    return t
+
+
+params = {"w": torch.randn(4, 3), "b": torch.randn(5)}
+grads = {k: torch.randn(t.shape) for k, t in params.items()}
+opt = sofx.adamw(lr=1e-2)
+state = opt.init(params)
+model = torch.nn.Linear(3, 2)
+torch_opt = torch.optim.AdamW(model.parameters())
+model(torch.randn(4, 3)).sum().backward()
+torch_opt.step()
+template = [p.detach().clone() for p in model.parameters()]
+for dtype in (torch.float16, torch.bfloat16):
+    for keep in (0, 1):  # freed; shrunk
+        def expect(case, fn, error, name):
+            pattern = re.escape(name) + rf": its storage holds {keep} bytes.*reach byte 2"
+            expect_refused(f"{case} {dtype} {keep}", fn, error, pattern, clones(params.values()))
+        expect("hparams lr", lambda: opt.update(params, grads, state, AdamHParams(lr=number(1e-3, keep, dtype))),
+               HParamError, "hparams for params['b']: lr")
+        expect("defaults beta1", lambda: sofx.adamw(betas=(number(0.9, keep, dtype), 0.999)), HParamError,
+               "defaults: beta1")
+        expect("schedule", lambda: sofx.schedules.hparams_schedule(weight_decay=number(0.1, keep, dtype)),
+               HParamError, "hparams_schedule: weight_decay")
+        expect("facade", lambda: sofx.offload.SpeculativeAdamW(model.parameters(), lr=number(1e-3, keep, dtype),
+                                                               executor="inline"), HParamError, "defaults['lr']")
+        saved = copy.deepcopy(torch_opt.state_dict())
+        saved["param_groups"][0]["lr"] = number(1e-3, keep, dtype)
+        expect("from_torch_optim", lambda: ck.from_torch_optim(sofx.adamw(), saved, template), CheckpointError,
+               "from_torch_optim: param_groups[0]['lr']")
+print("ok")
+"""
+
+
+def test_a_half_precision_number_whose_storage_was_freed_or_shrunk_is_refused_naming_it_not_a_crash():
+    script_prints_ok(_FREED_HALF_NUMBER)
