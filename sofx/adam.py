@@ -2142,18 +2142,26 @@ def torch_betas(betas: Any, name: str = "betas") -> tuple[Any, Any]:
     items of a pair (a tuple or list, or a tensor or numpy array of 2 rows: ``torch.tensor([0.9, 0.999])``
     gives two 0-d tensors, ``np.array([0.9, 0.999])`` two numpy floats), each tensor of 1 element squeezed to
     0-d (``tensor([0.9])`` -> ``tensor(0.9)``). Their values are the caller's to check; anything but 2 items is
-    an :class:`HParamError` naming ``name``."""
+    an :class:`HParamError` naming ``name``, and so is a tensor taken apart or squeezed here whose storage does not
+    hold its elements (:func:`~sofx.kernels.storage.refuse_short_storage`; torch raised a bare RuntimeError)."""
     if isinstance(betas, (tuple, list)) or getattr(betas, "ndim", 0) >= 1:
+        if isinstance(betas, torch.Tensor) and not in_storage(betas):
+            refuse_short_storage(betas, name, HParamError)
         items = tuple(betas)
         if len(items) == 2:
-            return tuple(_squeezed(b) for b in items)  # type: ignore[return-value]
+            return tuple(_squeezed(b, f"{name}[{i}]") for i, b in enumerate(items))  # type: ignore[return-value]
     raise HParamError(f"{name} must be a pair (beta1, beta2): a tuple or list, or a tensor or numpy array of 2 "
                       f"elements; got {betas!r:.80}")
 
 
-def _squeezed(x: Any) -> Any:
-    """A tensor of 1 element and more dimensions as its 0-d view (torch.optim's ``_to_scalar``); else ``x``."""
-    return x.squeeze() if isinstance(x, torch.Tensor) and x.dim() != 0 and x.numel() == 1 else x
+def _squeezed(x: Any, name: str) -> Any:
+    """A tensor of 1 element and more dimensions as its 0-d view (torch.optim's ``_to_scalar``); else ``x``. Such a
+    tensor whose storage does not hold its element is refused naming it ``name``."""
+    if not (isinstance(x, torch.Tensor) and x.dim() != 0 and x.numel() == 1):
+        return x
+    if not in_storage(x):
+        refuse_short_storage(x, name, HParamError)
+    return x.squeeze()
 
 
 def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool) -> None:

@@ -221,3 +221,33 @@ print("ok")
 
 def test_a_half_precision_number_whose_storage_was_freed_or_shrunk_is_refused_naming_it_not_a_crash():
     script_prints_ok(_FREED_HALF_NUMBER)
+
+
+
+# betas given as a 2-element tensor (or a pair holding 1-element tensors) whose memory was freed: taking its two items
+# (or squeezing one, as torch.optim's _to_scalar does) raised torch's bare RuntimeError ('setStorage: ... out of
+# bounds for storage of size 0') out of sofx.adamw and the offload facade. Refused naming the betas, the bytes held
+# and needed. (In a subprocess: a failure's report would show the freed tensor, whose repr reads its memory.)
+_FREED_BETAS = """
+import torch
+from refusal_script import expect_refused
+import sofx
+import sofx.offload
+from sofx.errors import HParamError
+
+model = torch.nn.Linear(2, 1)
+for case, make in (("pair tensor", lambda t: t), ("beta1 of 1 element", lambda t: (t[:1], 0.999)),
+                   ("beta2 of 1 element", lambda t: [0.9, t[1:]])):
+    t = torch.tensor([0.9, 0.999])
+    betas = make(t)
+    t.untyped_storage().resize_(0)
+    pattern = r"^betas(\\[[01]\\])?: its storage holds 0 bytes"
+    expect_refused(f"sofx.adamw {case}", lambda: sofx.adamw(betas=betas), HParamError, pattern)
+    expect_refused(f"facade {case}", lambda: sofx.offload.SpeculativeAdamW(model.parameters(), betas=betas,
+                                                                          executor="inline"), HParamError, pattern)
+print("ok")
+"""
+
+
+def test_betas_in_a_tensor_whose_storage_was_freed_are_refused_naming_them():
+    script_prints_ok(_FREED_BETAS)
