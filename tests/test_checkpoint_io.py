@@ -1242,7 +1242,8 @@ def test_a_file_name_as_long_as_the_file_system_allows_is_saved_and_its_temporar
 # checkpoint writer or converter: save() failed in safetensors' memoryview ("info->buf must not be NULL") for a freed
 # one and wrote a file of bytes read past a shrunk one's end (its load then failed the checksum); save_async(),
 # to_torch_optim() and from_torch_optim() copied it (a segmentation fault; garbage past a shrunk end); save_zero3()
-# failed in torch's view ("setStorage: ... out of bounds"); a step count or a group's tensor lr named no leaf.
+# failed in torch's view ("setStorage: ... out of bounds"); a step count or a group's tensor lr named no leaf,
+# a group's betas as a tensor pair raised that bare RuntimeError.
 # Each is refused naming the leaf, before any file is written; in a subprocess, so that a crash fails the test.
 _FREED_CHECKPOINT = """
 import os, re, sys, tempfile
@@ -1309,6 +1310,10 @@ for keep in (0, 8):  # freed; shrunk
     sd["param_groups"][0]["lr"] = cut(torch.tensor(1e-3), keep // 4)
     expect(f"from_torch_optim lr {keep}", lambda: ck.from_torch_optim(opt, sd, params),
            re.escape("param_groups[0]['lr']") + f": its storage holds {keep // 4} bytes", d)
+    sd = ck.to_torch_optim(opt, state)
+    sd["param_groups"][0]["betas"] = cut(torch.tensor([0.9, 0.999]), keep // 2)  # (unpacked: a bare RuntimeError)
+    expect(f"from_torch_optim betas {keep}", lambda: ck.from_torch_optim(opt, sd, params),
+           re.escape("param_groups[0]['betas']") + f": its storage holds {keep // 2} bytes", d)
 print("ok")
 """
 

@@ -41,6 +41,7 @@ from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range, refu
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError, LeafError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
+from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams",
@@ -98,7 +99,8 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     a pair: ``error`` with the message ``missing`` and what is wrong. Each is a real number (a Python or numpy one, or a
     tensor or numpy array of one element, as torch.optim takes a tensor lr), else ``error`` naming the entry, ``at``
     (the group) followed by its key, and its value (a string reached ``float()`` and was parsed; None or a tensor
-    of two elements raised bare errors), within its range as :meth:`~sofx.Adam.update` checks it (``lr >= 0``,
+    of two elements raised bare errors; a tensor whose storage does not hold its elements, a betas pair too, is
+    ``error`` naming it), within its range as :meth:`~sofx.Adam.update` checks it (``lr >= 0``,
     ``0 <= beta < 1``, ``eps > 0``, ``weight_decay >= 0``, all finite: ``error`` naming the entry, the value and the
     range; torch.optim takes ``eps=0``, which no step here can). ``float32``: where a leaf of the group is
     stepped in float32, why (the words ending the refusal): the values float32 cannot hold are refused too
@@ -108,6 +110,9 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     for-loop step computes with a float16 or bfloat16 lr, beta or weight_decay in that precision: such a value is
     ``range_error`` too, as :meth:`~sofx.Adam.update` refuses it (:func:`~sofx.adam.refuse_half_precision`; read as
     the float it holds, the run went on with another step than torch's)."""
+    betas = group.get("betas") if isinstance(group, dict) else None
+    if isinstance(betas, torch.Tensor) and not in_storage(betas):  # (taken apart below: torch's bare RuntimeError)
+        refuse_short_storage(betas, f"{at}['betas']", error)
     try:
         b1, b2 = group["betas"]
         raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
