@@ -2096,9 +2096,13 @@ def refuse_half_precision(name: str, value: Any, where: str, path: str = "", lab
         label = f"{where}{path}: {name}" if label is None else label
         if isinstance(value, torch.Tensor) and not in_storage(value):
             refuse_short_storage(value, label, HParamError)
+        if name.startswith("beta"):
+            example = f"1 - {name} and the bias correction 1 - {name} ** t, rounded to {kind}'s precision"
+        else:
+            example = (f"1 - lr * weight_decay rounds to 1 below lr * weight_decay = "
+                       f"{2 ** -12 if kind == 'float16' else 2 ** -9!r}: no decay")
         raise HParamError(f"{label} = {value!r:.60} is a {kind} number: torch.optim's for-loop and "
-                          f"foreach AdamW compute with it in {kind} (1 - lr * weight_decay rounds to 1 below "
-                          f"lr * weight_decay = {2 ** -12 if kind == 'float16' else 2 ** -9!r}: no decay), its "
+                          f"foreach AdamW compute with it in {kind} ({example}), its "
                           f"fused AdamW in float64 as sofx does; give a Python float, float({name}), or a "
                           "float32/float64 number")
 
