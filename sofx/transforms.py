@@ -196,14 +196,23 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
     return total
 
 
-def _block_sumsq_value(i: int, s: Any) -> float:
-    """:func:`total_sumsq`'s ``block_sumsq[i]`` as a Python float, checked."""
-    x = real_number(s, f"total_sumsq: block_sumsq[{i}]")
+def _nonnegative_float(value: Any, name: str) -> float | None:
+    """``value`` (a Python or numpy number, or a 1-element tensor whose value can be read:
+    :func:`~sofx.kernels.user_numbers.real_number`, which refuses anything else naming ``name``) as a Python float
+    where it is >= 0, inf or nan (a sum of squares or a norm of a non-finite gradient); ``None`` where it is negative
+    or no real number (the caller's refusal)."""
+    x = real_number(value, name)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else -math.inf
     except OverflowError:  # an int beyond the float range
         f = math.inf
-    if not (f >= 0 or math.isnan(f)):
+    return f if f >= 0 or math.isnan(f) else None
+
+
+def _block_sumsq_value(i: int, s: Any) -> float:
+    """:func:`total_sumsq`'s ``block_sumsq[i]`` as a Python float, checked."""
+    f = _nonnegative_float(s, f"total_sumsq: block_sumsq[{i}]")
+    if f is None:
         raise HParamError(f"total_sumsq: block_sumsq[{i}] = {s!r:.80} ({type(s).__name__}) is invalid; expected a "
                           "sum of squares >= 0 (inf or nan where a gradient is not finite: a Python or numpy number, "
                           "or a 1-element tensor whose value can be read) or None (no gradient)")
@@ -272,12 +281,8 @@ def _norm_value(who: str, name: str, norm: Any) -> float | torch.Tensor:
     ``who``, ``name``, the value and its type (a negative norm made ``norm + 1e-6`` 0 or of the wrong sign)."""
     if is_traced(norm):
         return norm
-    x = real_number(norm, f"{who}: {name}")
-    try:
-        f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else -math.inf
-    except OverflowError:  # an int beyond the float range
-        f = math.inf
-    if not (f >= 0 or math.isnan(f)):
+    f = _nonnegative_float(norm, f"{who}: {name}")
+    if f is None:
         raise HParamError(f"{who}: {name} = {norm!r:.80} is invalid; expected a number >= 0 (a gradient norm: inf or "
                           f"nan where a gradient is not finite; a Python or numpy number, or a 1-element tensor), "
                           f"got {type(norm).__name__}")
