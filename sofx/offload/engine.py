@@ -318,26 +318,24 @@ class OffloadEngine:
                                 for b in cpu_layouts for i in b.param_indices if i in swappable)
             if need + publish_bytes > budget:
                 swappable = set()  # the publish buffers do not fit: copy in step() instead
-            if not os.path.isdir(shm_dir):  # (its budget is 0: the warning below said to enlarge it)
+            why = None
+            if not os.path.isdir(shm_dir):  # (its budget is 0: the warning said to enlarge it)
                 what = "it does not exist" if not os.path.exists(shm_dir) else "it is a file"
-                warnings.warn(
-                    f"sofx.offload: the process executor needs {need:,} bytes ({need / 2**20:.1f} MiB) of shared "
-                    f"memory for the optimizer state, but shm_dir {os.fspath(shm_dir)!r} is not a directory "
-                    f"({what}); falling back to the thread executor. Pass an existing directory as shm_dir (the "
-                    f"default is {DEFAULT_SHM_DIR!r}) to use the process executor.",
-                    RuntimeWarning, stacklevel=caller_stacklevel())
-                executor, swappable = "thread", local_swappable
+                why = (f"for the optimizer state, but shm_dir {os.fspath(shm_dir)!r} is not a directory ({what}); "
+                       f"falling back to the thread executor. Pass an existing directory as shm_dir (the default is "
+                       f"{DEFAULT_SHM_DIR!r})")
             elif need > budget:
                 # (the binding limit: the caller's shm_limit_bytes, or the directory's free space)
                 limited = shm_limit_bytes is not None and budget == int(shm_limit_bytes)
                 remedy = ("Raise shm_limit_bytes" if limited else
                           f"Enlarge {shm_dir} (e.g. docker --shm-size for /dev/shm) or pass another shm_dir")
-                warnings.warn(
-                    f"sofx.offload: the process executor needs {need:,} bytes ({need / 2**20:.1f} MiB) of shared "
-                    f"memory in {shm_dir} for the optimizer state, but only {budget:,} bytes ({budget / 2**20:.1f} "
-                    f"MiB) are available{' (shm_limit_bytes)' if limited else ''}; falling back to the thread "
-                    f"executor. {remedy} to use the process executor.",
-                    RuntimeWarning, stacklevel=caller_stacklevel())
+                why = (f"in {shm_dir} for the optimizer state, but only {budget:,} bytes ({budget / 2**20:.1f} MiB) "
+                       f"are available{' (shm_limit_bytes)' if limited else ''}; falling back to the thread "
+                       f"executor. {remedy}")
+            if why is not None:
+                warnings.warn(f"sofx.offload: the process executor needs {need:,} bytes ({need / 2**20:.1f} MiB) of "
+                              f"shared memory {why} to use the process executor.",
+                              RuntimeWarning, stacklevel=caller_stacklevel())
                 executor, swappable = "thread", local_swappable
         self._interrupts: Any = NO_GATE
         self._cpu_arena = SharedMemoryArena(shm_dir) if executor == "process" and cpu_layouts else LocalArena("cpu")
