@@ -594,6 +594,39 @@ def test_a_state_call_from_a_signal_handler_inside_step_is_refused_naming_the_ca
         signal.signal(signal.SIGUSR1, before)
 
 
+def test_a_state_call_from_a_signal_handler_inside_close_is_refused_naming_close(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A "save a checkpoint on SIGUSR1" handler calling state_dict() while close() runs in the main thread (as it
+    stops the executor) was told the optimizer "is being closed by another thread", where no other thread was. It
+    says the call is inside close() on the same thread; the close goes on, and the closed optimizer's state_dict()
+    works afterwards."""
+    _, opt = _stepped_once("thread")
+    said: list = []
+
+    def save(signum, frame) -> None:
+        try:
+            opt.state_dict()
+        except SofxError as e:
+            said.append(str(e))
+
+    original = OffloadEngine._record_at_close
+
+    def signalled(self):
+        os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs here, in close())
+        return original(self)
+
+    monkeypatch.setattr(OffloadEngine, "_record_at_close", signalled)
+    before = signal.signal(signal.SIGUSR1, save)
+    try:
+        opt.close()
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    assert said and said[0].startswith("state_dict() was called inside close() on the same thread (a signal "
+                                       "handler"), said
+    assert "another thread" not in said[0], said
+    assert opt.state_dict()["state"]["complete"]
+
+
 _EXIT_DURING_STEP = """
 import atexit, os, sys, threading, time, torch
 import sofx.offload, sofx.offload.engine

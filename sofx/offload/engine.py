@@ -1731,13 +1731,14 @@ class OffloadEngine:
         with self._interrupts:
             gate, since = self._interrupts, section_breaks(self._interrupts)
             if not self._call_lock.acquire(blocking=False):
-                self._refuse_while_closing(what)
                 inside = self._call_what
-                if self._call_owner == threading.get_ident() and inside is not None:
+                if self._call_owner == threading.get_ident() and inside is not None:  # (close() too: a signal
+                    # handler inside it was told the optimizer is "being closed by another thread")
                     raise SofxError(f"{what} was called inside {inside} on the same thread (a signal handler, which "
                                     "Python runs between any two lines of the main thread, or a hook called from "
                                     f"it): the optimizer's calls do not nest; call it after {inside} returns (e.g. "
                                     "set a flag in the handler and act on it in the training loop)")
+                self._refuse_while_closing(what)
                 raise SofxError(f"{what} was called while another thread is in step(), zero_grad(), wait() or a "
                                 "state call (state_dict(), load_state_dict(), opt.state, reload_params()) of this "
                                 "optimizer; call them from one thread at a time")
@@ -2006,11 +2007,12 @@ class OffloadEngine:
             self._closing = True
             try:
                 with self._call_lock, self._hook_lock:
-                    self._call_owner = threading.get_ident()  # (a signal handler's close() in here: deferred)
+                    # (a signal handler's close() in here: deferred; its other calls refused, naming close())
+                    self._call_owner, self._call_what = threading.get_ident(), "close()"
                     try:
                         self._close(keep_state=True)
                     finally:
-                        self._call_owner = None
+                        self._call_owner = self._call_what = None
             finally:
                 self._closing = False
 
@@ -2036,12 +2038,12 @@ class OffloadEngine:
                 warnings.warn(f"sofx.offload: at interpreter exit, {what or 'a call'} was still running in another "
                               f"thread after {waited:g} s (EXIT_WAIT_S, or the optimizer's timeout); the optimizer "
                               "is closed under it, and it fails there", RuntimeWarning, stacklevel=2)
-            if call:
-                self._call_owner = threading.get_ident()  # (a signal handler's close() in here: deferred)
+            if call:  # (a signal handler's close() in here: deferred; its other calls refused, naming close())
+                self._call_owner, self._call_what = threading.get_ident(), "close()"
             self._close(keep_state=False)
         finally:
             if call:
-                self._call_owner = None
+                self._call_owner = self._call_what = None
                 self._call_lock.release()
             if hook:
                 self._hook_lock.release()
