@@ -12,6 +12,7 @@ parameters of its block.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import re
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any, Callable, Iterator
 
 import pytest
 import torch
@@ -37,6 +39,7 @@ from sofx.errors import SofxError
 from sofx.offload.block_ops import BlockOp
 from sofx.offload.engine import OffloadEngine
 from sofx.offload.executor import ExecutorError, ExecutorTimeout
+from sofx.offload.thread_executor import ThreadExecutor
 
 
 def _hang(executor, release: threading.Event) -> None:
@@ -114,16 +117,13 @@ def test_collecting_an_optimizer_whose_thread_executor_hangs_waits_as_the_proces
     assert not executor._thread.is_alive()
 
 
-@pytest.mark.parametrize("executor", ["thread", "process"])
-def test_a_close_broken_into_by_a_second_ctrl_c_is_finished_by_the_next_close(executor: str) -> None:
-    """Ctrl-C twice while close() waits for a worker that hangs (the first is held back, the second goes through):
-    the engine and its executor were marked closed at the start, so the next close() returned at once, leaving the
-    worker process running for good (stopped, or hung in an operation: it never read the stop message, nor the
-    closed connection, and outlived the main process), a worker thread running without the close's warning, and
-    the state kept was said complete where an operation was left running. Now the next close() finishes without
-    waiting again: the worker process is killed, a worker thread is left with the warning (an interrupted join had
-    marked it stopped: CPython's), and the state kept is marked incomplete where operations were left."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+@contextlib.contextmanager
+def _hung_worker(executor: str, queued: bool = False) -> Iterator[tuple[sofx.offload.SpeculativeAdamW, Any]]:
+    """An optimizer of ``executor`` (timeout 20 s) and its executor, whose worker hangs: the thread's in a "ready"
+    operation (:func:`_hang`), the process stopped by SIGSTOP (it reads no message; ``queued``: an operation it
+    does not answer is queued to it); Ctrl-C raises as in a terminal (not a background job). Afterwards the SIGINT
+    handler is put back, the thread's operation released, a worker process still running killed."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
     release = threading.Event()
     opt = None
     try:
@@ -133,34 +133,61 @@ def test_a_close_broken_into_by_a_second_ctrl_c_is_finished_by_the_next_close(ex
         if executor == "thread":
             _hang(ex, release)
         else:
-            os.kill(ex.pid, signal.SIGSTOP)  # it does not read the stop message
-        pid = os.getpid()
-        twice = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGINT), time.sleep(0.1),
-                                              os.kill(pid, signal.SIGINT)))
-        twice.start()
-        start = time.monotonic()
-        with pytest.raises(KeyboardInterrupt):
-            opt.close()
-        twice.join()
-        assert time.monotonic() - start < 15.0
-        start = time.monotonic()
-        if executor == "thread":
-            with pytest.warns(RuntimeWarning, match=r"close\(\) did not wait for it again \(a close was interrupted\), "
-                                                    r"and the thread executor's worker is still running the 'ready' "
-                                                    r"operation on block 0"):
-                opt.close()
-        else:
-            opt.close()
-            assert ex.process.poll() is not None, "the worker process is killed"
-        assert time.monotonic() - start < 10.0, "not waited for again"
-        # (the stopped worker process had no operation left: its state is whole)
-        assert opt.state_dict()["state"]["complete"] is (executor == "process")
+            os.kill(ex.pid, signal.SIGSTOP)
+            if queued:
+                ex.submit(BlockOp(10 ** 6, "commit_all"))
+        yield opt, ex
     finally:
         signal.signal(signal.SIGINT, before)
         release.set()
         if executor == "process" and opt is not None and opt.engine.executor.process.poll() is None:
             opt.engine.executor.process.kill()
             opt.engine.executor.process.wait()
+
+
+def _ctrl_c_twice(call: Callable[[], Any]) -> None:
+    """Ctrl-C pressed twice, 0.1 s apart, 0.5 s into ``call()`` (the first held back, the second goes through):
+    ``call`` raises the KeyboardInterrupt."""
+    pid = os.getpid()
+    twice = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGINT), time.sleep(0.1), os.kill(pid, signal.SIGINT)))
+    twice.start()
+    with pytest.raises(KeyboardInterrupt):
+        call()
+    twice.join()
+
+
+def _close_without_waiting_again(opt: sofx.offload.SpeculativeAdamW, ex: Any, why: str, running: str) -> None:
+    """``opt.close()`` after a wait for its hung worker (:func:`_hung_worker`) was broken into: it does not wait again
+    (within 10 s, where the timeout is 20 s): a worker process is killed, a worker thread left running with the
+    close's warning, which says ``why`` (a regex) and ``running`` (what it runs, a regex)."""
+    start = time.monotonic()
+    if isinstance(ex, ThreadExecutor):
+        with pytest.warns(RuntimeWarning, match=rf"close\(\) did not wait for it again \({why}\), and the thread "
+                                                rf"executor's worker is still {running}"):
+            opt.close()
+    else:
+        opt.close()
+        assert ex.process.poll() is not None, "the worker process is killed"
+    assert time.monotonic() - start < 10.0, "not waited for again"
+
+
+@pytest.mark.parametrize("executor", ["thread", "process"])
+def test_a_close_broken_into_by_a_second_ctrl_c_is_finished_by_the_next_close(executor: str) -> None:
+    """Ctrl-C twice while close() waits for a worker that hangs (the first is held back, the second goes through):
+    the engine and its executor were marked closed at the start, so the next close() returned at once, leaving the
+    worker process running for good (stopped, or hung in an operation: it never read the stop message, nor the
+    closed connection, and outlived the main process), a worker thread running without the close's warning, and
+    the state kept was said complete where an operation was left running. Now the next close() finishes without
+    waiting again: the worker process is killed, a worker thread is left with the warning (an interrupted join had
+    marked it stopped: CPython's), and the state kept is marked incomplete where operations were left."""
+    with _hung_worker(executor) as (opt, ex):
+        start = time.monotonic()
+        _ctrl_c_twice(opt.close)
+        assert time.monotonic() - start < 15.0
+        _close_without_waiting_again(opt, ex, r"a close was interrupted",
+                                     r"running the 'ready' operation on block 0")
+        # (the stopped worker process had no operation left: its state is whole)
+        assert opt.state_dict()["state"]["complete"] is (executor == "process")
 
 
 def test_closing_a_thread_executor_optimizer_in_a_forked_child_does_not_wait_for_the_parents_thread() -> None:
@@ -223,43 +250,11 @@ def test_after_a_wait_broken_into_by_a_second_ctrl_c_close_does_not_wait_for_the
     close the optimizer, and close() then waited the whole timeout for that worker again (as it does not after a wait
     that timed out). It does not wait again: the worker process is killed at once, a worker thread left with the
     close's warning saying why."""
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    release = threading.Event()
-    opt = None
-    try:
-        opt = sofx.offload.SpeculativeAdamW(SharedMLP().parameters(), executor=executor, block_numel=100,
-                                            timeout=20.0)
-        ex = opt.engine.executor
-        if executor == "thread":
-            _hang(ex, release)
-        else:
-            os.kill(ex.pid, signal.SIGSTOP)  # it does not answer
-            ex.submit(BlockOp(10 ** 6, "commit_all"))
-        pid = os.getpid()
-        twice = threading.Timer(0.5, lambda: (os.kill(pid, signal.SIGINT), time.sleep(0.1),
-                                              os.kill(pid, signal.SIGINT)))
-        twice.start()
-        with pytest.raises(KeyboardInterrupt):
-            opt.engine.wait()
-        twice.join()
+    with _hung_worker(executor, queued=True) as (opt, ex):
+        _ctrl_c_twice(opt.engine.wait)
         with pytest.raises(ExecutorError, match="interrupted by a second Ctrl-C"):
             opt.step()
-        start = time.monotonic()
-        if executor == "thread":
-            with pytest.warns(RuntimeWarning, match=r"close\(\) did not wait for it again \(the last wait for it "
-                                                    r"was interrupted\), and the thread executor's worker is still "
-                                                    r"running"):
-                opt.close()
-        else:
-            opt.close()
-            assert ex.process.poll() is not None, "the worker process is killed"
-        assert time.monotonic() - start < 10.0, "not the timeout (20 s) again"
-    finally:
-        signal.signal(signal.SIGINT, before)
-        release.set()
-        if executor == "process" and opt is not None and opt.engine.executor.process.poll() is None:
-            opt.engine.executor.process.kill()
-            opt.engine.executor.process.wait()
+        _close_without_waiting_again(opt, ex, r"the last wait for it was interrupted", r"running")
 
 
 def _slowed(opt: sofx.offload.SpeculativeAdamW, executor: str) -> threading.Event:
