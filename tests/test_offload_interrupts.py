@@ -385,6 +385,22 @@ def test_ctrl_c_after_the_constructor_started_the_worker_stops_it_and_removes_th
         signal.signal(signal.SIGINT, before)
 
 
+def _ctrl_c_twice_at(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> None:
+    """Ctrl-C pressed twice as ``cls.name`` is first called (then put back): the first held back until the
+    optimizer's section ends, the second goes through at once."""
+    import signal
+
+    original = getattr(cls, name)
+
+    def twice(self, *args, **kwargs):
+        monkeypatch.setattr(cls, name, original)
+        os.kill(os.getpid(), signal.SIGINT)  # held back until the section ends
+        os.kill(os.getpid(), signal.SIGINT)  # goes through at once
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, name, twice)
+
+
 @pytest.mark.parametrize("where", ["step", "hook"])
 def test_a_second_ctrl_c_inside_a_section_stops_the_optimizer_saying_so(where, monkeypatch):
     """A second Ctrl-C while one is held goes through at once (to get out of a worker that hangs), in the middle of
@@ -407,18 +423,10 @@ def test_a_second_ctrl_c_inside_a_section_stops_the_optimizer_saying_so(where, m
         opt.backward(model(torch.randn(4, 8)).square().mean())
         opt.step()
         opt.zero_grad()
-        patched = "_publish_to_model" if where == "step" else "_take_gradient"
-        original = getattr(engine.OffloadEngine, patched)
-
-        def twice(self, *args, **kwargs):  # Ctrl-C pressed twice as the engine is at this point
-            monkeypatch.setattr(engine.OffloadEngine, patched, original)
-            os.kill(os.getpid(), signal.SIGINT)  # held back until the section ends
-            os.kill(os.getpid(), signal.SIGINT)  # goes through at once
-            return original(self, *args, **kwargs)
-
         if where == "step":
             opt.backward(model(torch.randn(4, 8)).square().mean())
-        monkeypatch.setattr(engine.OffloadEngine, patched, twice)
+        _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine,
+                         "_publish_to_model" if where == "step" else "_take_gradient")
         with pytest.raises(KeyboardInterrupt):
             if where == "step":
                 opt.step()
@@ -453,15 +461,7 @@ def test_a_second_ctrl_c_as_a_call_ends_neither_keeps_its_lock_nor_goes_unsaid(m
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=50)
         opt.backward(model(torch.randn(4, 8)).square().mean())
-        original = engine.OffloadEngine._note_break
-
-        def twice(self, *args, **kwargs):  # Ctrl-C pressed twice as step()'s guard ends
-            monkeypatch.setattr(engine.OffloadEngine, "_note_break", original)
-            os.kill(os.getpid(), signal.SIGINT)  # held back until the section ends
-            os.kill(os.getpid(), signal.SIGINT)  # goes through at once
-            return original(self, *args, **kwargs)
-
-        monkeypatch.setattr(engine.OffloadEngine, "_note_break", twice)
+        _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
         with pytest.raises(KeyboardInterrupt):
             opt.step()
         assert not opt.engine._call_lock.locked(), "the guard's lock is released"
@@ -491,15 +491,7 @@ def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_clos
     try:
         model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
-        original = grad_hooks.GradHooks.remove
-
-        def twice(self):  # Ctrl-C pressed twice as close() removes the hooks
-            monkeypatch.setattr(grad_hooks.GradHooks, "remove", original)
-            os.kill(os.getpid(), signal.SIGINT)  # held back until the section ends
-            os.kill(os.getpid(), signal.SIGINT)  # goes through at once
-            return original(self)
-
-        monkeypatch.setattr(grad_hooks.GradHooks, "remove", twice)
+        _ctrl_c_twice_at(monkeypatch, grad_hooks.GradHooks, "remove")  # (as close() removes the hooks)
         with pytest.raises(KeyboardInterrupt):
             opt.close()
         opt.close()
