@@ -1785,6 +1785,19 @@ def test_groups_reordered_or_a_parameter_moved_between_groups_is_refused_naming_
             p.requires_grad for p in params)
 
 
+def _refused_with_nothing_stepped(opt: sofx.offload.SpeculativeAdamW, model: torch.nn.Module, gen: torch.Generator,
+                            message: str) -> None:
+    """With ``opt``'s param groups changed by hand: a backward and ``state_dict()`` are refused (an UnsupportedError
+    matching ``message``), before any block is stepped (every step count 0 after ``zero_grad()``)."""
+    params = list(model.parameters())
+    with pytest.raises(sofx.UnsupportedError, match=message):
+        opt.backward(mlp_loss(model, mlp_batch(gen)))
+    with pytest.raises(sofx.UnsupportedError, match=message):
+        opt.state_dict()
+    opt.zero_grad()
+    assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+
+
 @pytest.mark.parametrize("given, found", [(lambda model: model.parameters(), "generator"),
                                            (lambda model: model.inp.weight, "Parameter"),
                                            (lambda model: None, "NoneType"),
@@ -1803,12 +1816,7 @@ def test_a_groups_params_set_to_other_than_a_list_is_refused_naming_its_type(giv
     with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
         opt.param_groups[0]["params"] = given(model)
         message = rf"param_groups\[0\]\['params'\] is a {found}, not a list of the group's parameters"
-        with pytest.raises(sofx.UnsupportedError, match=message):
-            opt.backward(mlp_loss(model, mlp_batch(gen)))
-        with pytest.raises(sofx.UnsupportedError, match=message):
-            opt.state_dict()
-        opt.zero_grad()
-        assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+        _refused_with_nothing_stepped(opt, model, gen, message)
         opt.param_groups[0]["params"] = params
         opt.backward(mlp_loss(model, mlp_batch(gen)))
         opt.step()
@@ -1828,17 +1836,11 @@ def test_param_groups_or_a_group_that_is_not_what_torch_optim_holds_is_refused_n
     backward, ``step()``, ``state_dict()`` and ``load_state_dict()``. Refused naming what is there, before any
     block is stepped; the optimizer works again once the groups are put back."""
     model, _ = _models()
-    params = list(model.parameters())
     gen = torch.Generator().manual_seed(0)
     with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline") as opt:
         groups, group = opt.param_groups, opt.param_groups[0]
         change(opt)
-        with pytest.raises(sofx.UnsupportedError, match=message):
-            opt.backward(mlp_loss(model, mlp_batch(gen)))
-        with pytest.raises(sofx.UnsupportedError, match=message):
-            opt.state_dict()
-        opt.zero_grad()
-        assert [int(opt.state[p]["step"]) for p in params] == [0] * len(params)
+        _refused_with_nothing_stepped(opt, model, gen, message)
         groups[:] = [group]
         opt.param_groups = groups
         opt.backward(mlp_loss(model, mlp_batch(gen)))
