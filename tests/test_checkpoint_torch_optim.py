@@ -7,6 +7,7 @@ import math
 import re
 import sys
 import warnings
+from typing import Any
 
 import numpy as np
 import pytest
@@ -829,6 +830,18 @@ def test_a_refused_import_into_ordered_dict_params_does_not_blame_sorted_dict_ke
         ck.from_torch_optim(sofx.adam(), named.state_dict(), backwards)
 
 
+def _refused_at_import(key: str, value: Any, where: str) -> tuple[dict, dict]:
+    """A torch.optim.AdamW state dict whose ``param_groups[0][key]`` is ``value``, and its params: ``from_torch_optim``
+    refuses it (a CheckpointError matching ``where`` after the group), its state left as it was."""
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0][key] = value
+    saved = copy.deepcopy(sd)
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    assert _equal(sd["state"], saved["state"])
+    return params, sd
+
+
 def test_a_group_member_named_by_a_numpy_integer_is_that_leaf_index():
     """Leaf indices taken from an array (np.argsort, np.int64) were refused as 'a leaf is named by its index or
     path, got np.int64(1)', which is one; they are read as the Python ints they are (as speculative_step's order
@@ -860,12 +873,7 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_import_naming_its_group_a
     refused only at the first update, naming a params leaf and not the state dict's entry. It is refused at import
     naming the group, the key, the value and what was expected; nothing is imported. Where only float32 cannot hold
     it, float64 params take it."""
-    params, sd = _adamw_state_dict()
-    sd["param_groups"][0][key] = value
-    saved = copy.deepcopy(sd)
-    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}"):
-        ck.from_torch_optim(sofx.adamw(), sd, params)
-    assert _equal(sd["state"], saved["state"])
+    params, sd = _refused_at_import(key, value, where)
     if why is not None:
         wide = tree.tree_map(lambda p: p.double(), params)
         hp = ck.from_torch_optim(sofx.adamw(), sd, wide)[1]
@@ -884,12 +892,7 @@ def test_a_saved_half_precision_hparam_is_refused_at_import_as_update_refuses_it
     imported as the Python float it holds: the run went on with another step than torch's, where update, the offload
     facade and its load_state_dict refuse such a value. Refused at import naming the group and key, nothing
     imported; a float16 eps (torch adds it to a float32 tensor) is taken, as update takes it."""
-    params, sd = _adamw_state_dict()
-    sd["param_groups"][0][key] = value
-    saved = copy.deepcopy(sd)
-    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]{where}"):
-        ck.from_torch_optim(sofx.adamw(), sd, params)
-    assert _equal(sd["state"], saved["state"])
+    params, sd = _refused_at_import(key, value, where)
     _, sd = _adamw_state_dict()
     sd["param_groups"][0]["eps"] = np.float16(1e-3)
     assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].eps == float(np.float16(1e-3))
