@@ -202,6 +202,41 @@ class _OfStep:
         return self
 
 
+class _OnceOfStep(_OfStep):
+    """A decision or action of a step that is carried out once: whether it was is a one-element list ``[done]`` kept
+    with it (in its ``__dict__`` under ``_CELL``, not one of its fields, so that they compare by their fields), made
+    with it (torch.compile guards a cell it finds, not one made while it traces the first application, whose
+    compiled code then applied the action again) and shared with its copies (``_replace``, ``copy.copy``,
+    ``copy.deepcopy``: a deep copy carried out after the original would step its block again)."""
+
+    __slots__ = ()
+    _CELL = ""  # the subclass's key of the cell in __dict__
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        new = super().__new__(cls, *args, **kwargs)  # type: ignore[call-arg]
+        new.__dict__[cls._CELL] = [False]
+        return new
+
+    def _replace(self, **changes: Any) -> Any:
+        new = super()._replace(**changes)  # type: ignore[misc]
+        self._once_cell()
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        # (fields and context_id deep-copied, the cell shared)
+        cell = self._once_cell()
+        new = type(self).__new__(type(self), *copy.deepcopy(tuple(self), memo))  # type: ignore[arg-type]
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():  # type: ignore[attr-defined]
+            new.__dict__[key] = cell if key == self._CELL else copy.deepcopy(value, memo)
+        return new
+
+    def _once_cell(self) -> list[bool]:
+        """The ``[done]`` cell (one made by ``_make``, which bypasses ``__new__``, gets it here)."""
+        return self.__dict__.setdefault(self._CELL, [False])  # type: ignore[attr-defined]
+
+
 class _BlockDecisionFields(NamedTuple):
     """:class:`BlockDecision`'s fields."""
 
@@ -216,7 +251,7 @@ class _BlockDecisionFields(NamedTuple):
     snapshot_budget_bytes: int | None = None
 
 
-class BlockDecision(_OfStep, _BlockDecisionFields):
+class BlockDecision(_OnceOfStep, _BlockDecisionFields):
     """What :func:`on_block_ready` decided for one block.
 
     ``speculate``: take the speculative step now, with ``hparams`` and
@@ -242,29 +277,11 @@ class BlockDecision(_OfStep, _BlockDecisionFields):
     # (no __slots__: each decision's __dict__ holds its step's "_context_id" and its "_used" cell, a one-element
     # list shared with its copies)
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "BlockDecision":
-        new = super().__new__(cls, *args, **kwargs)
-        new.__dict__["_used"] = [False]
-        return new
-
-    def _replace(self, **changes: Any) -> "BlockDecision":
-        new = super()._replace(**changes)
-        self.used_cell()
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "BlockDecision":
-        # (fields and context_id deep-copied; the "_used" cell shared, or a deep copy would step its block again)
-        cell = self.used_cell()
-        new = type(self).__new__(type(self), *copy.deepcopy(tuple(self), memo))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = cell if key == "_used" else copy.deepcopy(value, memo)
-        return new
+    _CELL = "_used"
 
     def used_cell(self) -> list[bool]:
         """``[used]``: whether the decision's speculative step (of it or a copy) was taken, shared with its copies."""
-        return self.__dict__.setdefault("_used", [False])
+        return self._once_cell()
 
 
 class BackwardTally(NamedTuple):
@@ -302,7 +319,7 @@ class _BlockActionFields(NamedTuple):
     speculated: bool = False
 
 
-class BlockAction(_OfStep, _BlockActionFields):
+class BlockAction(_OnceOfStep, _BlockActionFields):
     """What validation does to one block; ``kind`` is one of :data:`ACTION_KINDS`.
 
     ``grad_scale``/``hparams``: the final multiplier and hparams for ``step``
@@ -325,32 +342,11 @@ class BlockAction(_OfStep, _BlockActionFields):
     # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
     # and its step's "_context_id")
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "BlockAction":
-        new = super().__new__(cls, *args, **kwargs)
-        # (made with the action: torch.compile guards a cell it finds, not one made while it traces the first
-        # application, whose compiled code then applied the action again)
-        new.__dict__["_applied"] = [False]
-        return new
-
-    def _replace(self, **changes: Any) -> "BlockAction":
-        new = super()._replace(**changes)
-        self.applied_cell()
-        new.__dict__.update(self.__dict__)
-        return new
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> "BlockAction":
-        # (fields and context_id deep-copied; the "_applied" cell shared, or a deep copy applied after the original,
-        # a deep-copied plan's, would step its block again)
-        cell = self.applied_cell()
-        new = type(self).__new__(type(self), *copy.deepcopy(tuple(self), memo))
-        memo[id(self)] = new
-        for key, value in self.__dict__.items():
-            new.__dict__[key] = cell if key == "_applied" else copy.deepcopy(value, memo)
-        return new
+    _CELL = "_applied"
 
     def applied_cell(self) -> list[bool]:
         """``[applied]``: whether the action (or a copy of it) was carried out, shared with its copies."""
-        return self.__dict__.setdefault("_applied", [False])
+        return self._once_cell()
 
 
 class ValidationPlan(NamedTuple):
