@@ -998,6 +998,28 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_load_naming_its_group(tmp
     assert not isinstance(info.value, ck.CorruptCheckpointError)
 
 
+@pytest.mark.parametrize("key, value, where", [
+    ("lr", torch.tensor(1e-3, dtype=torch.float16), r"\['lr'\] = tensor\(0\.0010, dtype=torch\.float16\) is a "
+                                                    r"float16 number"),
+    ("betas", (0.9, torch.tensor([0.999], dtype=torch.bfloat16)), r"\['betas'\]\[1\] = tensor\(\[1\.\], "
+                                                                  r"dtype=torch\.bfloat16\) is a bfloat16 number"),
+    ("weight_decay", torch.tensor(0.1, dtype=torch.bfloat16), r"\['weight_decay'\] = tensor\(0\.1001, "
+                                                              r"dtype=torch\.bfloat16\) is a bfloat16 number")])
+def test_a_saved_half_precision_hparam_is_refused_at_load_as_from_torch_optim_refuses_it(tmp_path, key, value,
+                                                                                         where):
+    """A file's float16 or bfloat16 lr, beta or weight_decay (a user's scheduler wrote one: DeepSpeed's own write
+    Python floats, and the weights-only load refuses numpy scalars) was loaded as the float it holds, where
+    from_torch_optim and update refuse it (a torch optimizer's step computes with it in that precision). Refused at
+    load naming the block, the group and the key, as a range refusal (no damage to the file); a float16 eps
+    loads, as update takes it."""
+    opt, params = _saved_with_group_entry(tmp_path, key, value)
+    with pytest.raises(ck.CheckpointError, match=rf"block 1 .*param_groups\[1\]{where}") as info:
+        ck.load_zero3(tmp_path, opt, params, HP)
+    assert not isinstance(info.value, ck.CorruptCheckpointError)
+    opt, params = _saved_with_group_entry(tmp_path, "eps", torch.tensor(1e-3, dtype=torch.float16))
+    assert ck.load_zero3(tmp_path, opt, params, HP)[2]["enc"].eps == float(torch.tensor(1e-3, dtype=torch.float16))
+
+
 def test_a_saved_eps_float32_cannot_hold_loads_into_float64_leaves_that_can_step_with_it(tmp_path):
     """load_zero3 loads into a float64 template (the masters cast to float64, stepped in float64), where
     ``update`` takes an eps of 1e-50. The float32 check at load refused such a file ("a ZeRO-3 checkpoint holds no

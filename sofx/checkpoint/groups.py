@@ -106,10 +106,11 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     stepped in float32, why (the words ending the refusal): the values float32 cannot hold are refused too
     (:func:`~sofx.adam.check_float32_range`, as ``update`` refuses them at the first step, naming a leaf). A number
     out of range is ``range_error`` (a :class:`CheckpointError`: an eps of 0 is torch's and DeepSpeed's to step, no
-    damage to the file, where ``error`` may say the file is corrupt). ``half``: the group is a torch.optim one, whose
-    for-loop step computes with a float16 or bfloat16 lr, beta or weight_decay in that precision: such a value is
-    ``range_error`` too, as :meth:`~sofx.Adam.update` refuses it (:func:`~sofx.adam.refuse_half_precision`; read as
-    the float it holds, the run went on with another step than torch's)."""
+    damage to the file, where ``error`` may say the file is corrupt). ``half``: the group is a torch.optim one (or
+    a ZeRO-3 file's), whose for-loop step computes with a float16 or bfloat16 lr, beta or weight_decay in that
+    precision: such a value is ``range_error`` too, as :meth:`~sofx.Adam.update` refuses it
+    (:func:`~sofx.adam.refuse_half_precision`; read as the float it holds, the run went on with another step than
+    torch's)."""
     betas = group.get("betas") if isinstance(group, dict) else None
     if isinstance(betas, torch.Tensor) and not in_storage(betas):  # (taken apart below: torch's bare RuntimeError)
         refuse_short_storage(betas, f"{at}['betas']", error)

@@ -901,9 +901,12 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         gi = next(i for i, group in enumerate(saved_groups) if group is saved)
         # (the masters are cast to the template's leaves: a block of float64 ones is stepped in float64)
         wide = all(p_leaves[i].dtype == torch.float64 for i in g.leaves)
+        # (half: a float16 or bfloat16 lr, beta or weight_decay is refused, as from_torch_optim and update refuse
+        # it. DeepSpeed writes none: its schedulers compute Python floats and the weights-only load refuses numpy
+        # scalars; a half tensor is a user's scheduler's, which a torch optimizer steps with in that precision)
         hp = saved_hparams(saved, f"{where}: param_groups[{gi}]",
                            f"{where}: the param group lacks lr, betas, eps or weight_decay", CorruptCheckpointError,
-                           float32=None if wide else "a leaf of the block is not float64")
+                           float32=None if wide else "a leaf of the block is not float64", half=True)
         entry = saved_state.get(b)
         if entry is None:
             steps.append(0)
