@@ -191,6 +191,27 @@ def test_requires_grad_and_parameters(tmp_path):
     assert back[0].requires_grad and not back[1].requires_grad and torch.equal(back[0], p)
 
 
+def test_a_saved_parameter_loads_as_a_parameter_as_torch_load_gives_it(tmp_path):
+    """A ``torch.nn.Parameter`` came back a plain tensor (its requires_grad kept), with or without a template of
+    Parameters, where ``torch.load`` gives a Parameter back: assigning it to a module (``module.weight = w``) raised
+    torch's TypeError. The saved kind comes back (a Parameter, its requires_grad as saved; a plain tensor stays one,
+    also under a template of Parameters, as a file written without the mark reads)."""
+    model = torch.nn.Linear(3, 2)
+    model.bias.requires_grad_(False)
+    saved = {**dict(model.named_parameters()), "plain": torch.randn(2)}
+    path = ck.save(tmp_path / "m.ckpt", saved)
+    template = {**dict(torch.nn.Linear(3, 2).named_parameters()), "plain": torch.nn.Parameter(torch.zeros(2))}
+    for back in (ck.load(path), ck.load(path, like=template), ck.load(path, like=template, device="meta")):
+        assert type(back["weight"]) is torch.nn.Parameter and back["weight"].requires_grad
+        assert type(back["bias"]) is torch.nn.Parameter and not back["bias"].requires_grad
+        assert type(back["plain"]) is torch.Tensor and not back["plain"].requires_grad
+    back = ck.load(path)
+    assert torch.equal(back["weight"], model.weight) and torch.equal(back["bias"], model.bias)
+    fresh = torch.nn.Linear(3, 2)
+    fresh.weight = back["weight"]
+    assert fresh.weight is back["weight"]
+
+
 def test_is_a_standard_safetensors_file(tmp_path, rng):
     from safetensors import safe_open
 

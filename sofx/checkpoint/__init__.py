@@ -113,7 +113,10 @@ def load(path: str | os.PathLike, like: Any = None, *,
     placed on the template's devices (a meta
     template's on the CPU: a model built on the meta device loads real data), in the
     layout they were saved with, not the template's (its strides are not compared: a
-    contiguous template loads a saved channels_last tensor as channels_last).
+    contiguous template loads a saved channels_last tensor as channels_last). A tensor comes back with the
+    ``requires_grad`` it was saved with, a ``torch.nn.Parameter`` as a Parameter (as ``torch.load`` gives it; a
+    plain tensor stays one under a template of Parameters, as does a Parameter in a file written before sofx
+    marked them).
     ``types``: NamedTuple classes allowed besides sofx's own (needed without a
     template for a NamedTuple type that sofx does not define).
     ``device``: where to put every tensor (default: the template's device,

@@ -6,7 +6,8 @@ is a small dict whose ``"k"`` says what it is::
     {"k": "tensor", "key": "tree.mu['w']", "dtype": "float32", "shape": [3, 4],
      "requires_grad": false, "device": "cpu", "crc32": 123}
         (a dense, not contiguous layout, as a channels_last weight, adds "order": [0, 2, 3, 1]: the file's array is
-        the tensor permuted so, its memory in memory order; a permutation of the dimensions, checked on load)
+        the tensor permuted so, its memory in memory order; a permutation of the dimensions, checked on load;
+        a ``torch.nn.Parameter`` adds "parameter": true and loads as one)
     {"k": "none"} | {"k": "bool", "v": true} | {"k": "int", "v": 3} | {"k": "int", "hex": "0x..."} (beyond int64)
     {"k": "float", "v": "0x1.999999999999ap-4"}        (float.hex: exact, inf too)
     {"k": "float", "bits": 9221120237041090560}          (a nan: its 64 bits, sign and payload kept)
@@ -226,6 +227,8 @@ def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:
         raise CheckpointError(f"{path}: two leaves have the same path")  # unreachable: paths are unique
     node = {"k": "tensor", "key": path, "dtype": name, "shape": list(t.shape),
             "requires_grad": bool(t.requires_grad), "device": str(t.device)}
+    if isinstance(t, torch.nn.Parameter):  # (loads as one, as torch.load gives it; a reader before it: a tensor)
+        node["parameter"] = True
     out.tensors[path] = t
     out.nodes[path] = node
     return node

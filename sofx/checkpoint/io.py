@@ -551,6 +551,8 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
                 t = t.to(target)
             if node.get("requires_grad") and (t.is_floating_point() or t.is_complex()):
                 t.requires_grad_(True)
+            if node.get("parameter") is True:  # (saved from one: its kind comes back, as torch.load gives it)
+                t = torch.nn.Parameter(t, requires_grad=t.requires_grad)
             return t
 
         return _decode_file(path, structure, load_node, registry, like_arg)
