@@ -1089,3 +1089,26 @@ def test_an_l2_export_like_a_torch_adamw_is_refused_saying_that_adamw_would_deco
     for like in (torch_adam, torch_adamw):
         like.load_state_dict(ck.to_torch_optim(adamw, adamw.update(params, grads, adamw.init(params))[1], like=like))
         assert like.param_groups[0]["decoupled_weight_decay"] is True
+
+
+def test_an_l2_export_like_a_decoupled_state_dict_is_refused_naming_its_group():
+    """A ``like=`` given as a state dict or param groups said nothing of the torch class it is for, so
+    ``to_torch_optim(sofx.adam(), ..., like=torch_adamw.state_dict())`` was taken, and the AdamW loading it went on
+    decoupled without a word. torch >= 2.x writes ``decoupled_weight_decay`` into every group: a like= group that
+    says True (AdamW's, or an Adam made decoupled) over an exported group with weight decay is refused, naming it;
+    one that says False, a group without decay, or sofx.adamw's export are taken."""
+    params = {"w": torch.randn(4, generator=torch.Generator().manual_seed(0))}
+    grads = {"w": torch.randn(4, generator=torch.Generator().manual_seed(1))}
+    adam = sofx.adam(lr=1e-2, weight_decay=0.1)
+    state = adam.update(params, grads, adam.init(params))[1]
+    torch_adamw = torch.optim.AdamW([torch.nn.Parameter(params["w"].clone())], lr=1e-2, weight_decay=0.1)
+    for like in (torch_adamw.state_dict(), torch_adamw.param_groups):
+        with pytest.raises(UnsupportedError, match=r"^to_torch_optim: like's param_groups\[0\] has "
+                                                   r"decoupled_weight_decay=True.*torch\.optim\.Adam"):
+            ck.to_torch_optim(adam, state, like=like)
+    torch_adam = torch.optim.Adam([torch.nn.Parameter(params["w"].clone())], lr=1e-2, weight_decay=0.1)
+    torch_adam.load_state_dict(ck.to_torch_optim(adam, state, like=torch_adam.state_dict()))
+    assert torch_adam.param_groups[0]["decoupled_weight_decay"] is False
+    ck.to_torch_optim(adam, state, sofx.AdamHParams(weight_decay=0.0), like=torch_adamw.state_dict())
+    adamw = sofx.adamw(lr=1e-2, weight_decay=0.1)
+    ck.to_torch_optim(adamw, adamw.update(params, grads, adamw.init(params))[1], like=torch_adam.state_dict())

@@ -114,7 +114,8 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     ``weight_decay``: the export's) and the options that change the math (``amsgrad``, ``maximize``,
     ``decoupled_weight_decay``: the optimizer's); ``like`` with another number of groups, or a group of another
     size, is refused (:class:`~sofx.checkpoint.CheckpointMismatchError`); so is a ``torch.optim.AdamW`` as ``like``
-    of an L2 optimizer's export with weight decay (``sofx.adam``: AdamW's ``load_state_dict`` makes it decoupled).
+    of an L2 optimizer's export with weight decay (``sofx.adam``: AdamW's ``load_state_dict`` makes it decoupled),
+    and a state dict or groups as ``like`` whose group says ``decoupled_weight_decay=True`` over a group with decay.
     """
     _check_opt(opt, "to_torch_optim")
     if not isinstance(state, AdamState):
@@ -173,14 +174,30 @@ _EXPORTED_KEYS = frozenset({"params", "lr", "betas", "eps", "weight_decay", "ams
 def _refuse_decoupling_like(opt: Adam, like: Any, resolved: list[ParamGroup]) -> None:
     """Refuse an export of L2 weight decay (``sofx.adam``; a group of ``resolved`` with a decay other than 0) for a
     ``torch.optim.AdamW`` (``like``): its ``load_state_dict`` makes every group's weight decay decoupled
-    (``AdamW.__setstate__``), whatever the state dict says, and the run would go on as AdamW without a word. (A
-    state dict or groups as ``like`` do not say which torch class they are for: ``torch.optim.Adam`` takes either
-    decay from them.)"""
-    if not opt.variant.decoupled and isinstance(like, torch.optim.AdamW) and \
-            any(g.hparams.weight_decay != 0 for g in resolved):
+    (``AdamW.__setstate__``), whatever the state dict says, and the run would go on as AdamW without a word. A
+    state dict or groups as ``like`` do not say which torch class they are for, but torch >= 2.x writes
+    ``decoupled_weight_decay`` into every group: such a group that says True over an exported group with decay
+    is refused too (AdamW's; a ``torch.optim.Adam`` made decoupled, which would take the export's L2 decay, is
+    given as the optimizer itself); ``like`` of another form is left to :func:`_like_entries`."""
+    if opt.variant.decoupled or not any(g.hparams.weight_decay != 0 for g in resolved):
+        return
+    if isinstance(like, torch.optim.AdamW):
         raise UnsupportedError("to_torch_optim: like is a torch.optim.AdamW, whose load_state_dict makes every "
                                "group's weight decay decoupled: this optimizer's L2 weight decay (sofx.adam) would "
                                "go on as AdamW's; load the export into a torch.optim.Adam (like=torch.optim.Adam(...))")
+    if isinstance(like, torch.optim.Optimizer):  # (its class says: torch.optim.Adam takes the export's decay)
+        return
+    found = like["param_groups"] if isinstance(like, dict) and "param_groups" in like else like
+    if not isinstance(found, (list, tuple)) or len(found) != len(resolved):
+        return
+    for gi, (group, g) in enumerate(zip(found, resolved)):
+        decoupled = group.get("decoupled_weight_decay") if isinstance(group, dict) else None
+        if g.hparams.weight_decay != 0 and _is_flag(decoupled) and decoupled:
+            raise UnsupportedError(f"to_torch_optim: like's param_groups[{gi}] has decoupled_weight_decay=True (a "
+                                   "torch.optim.AdamW's, whose load_state_dict makes every group's weight decay "
+                                   "decoupled): this optimizer's L2 weight decay (sofx.adam) would go on as AdamW's; "
+                                   "load the export into a torch.optim.Adam and give it as like= (a state dict does "
+                                   "not say which torch class it is for)")
 
 
 def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
