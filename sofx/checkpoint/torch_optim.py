@@ -104,6 +104,13 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     The state dict's moments are copies of the state's: torch's ``load_state_dict`` keeps a tensor of its
     parameter's dtype and device as it is, and its steps would then write into ``state``.
 
+    What the export refuses depends on the parameters' dtypes, which ``params=`` gives: an eps or lr float32 cannot
+    hold for a group with a leaf that is not float64, and a moment beyond the range of its parameter's dtype, to
+    which torch's ``load_state_dict`` casts it (a float32 or bfloat16 second moment over 65504 of float16 params:
+    inf there). Without ``params=`` the moments stand for the parameters' dtype only where the optimizer has no
+    ``state_dtype``; with one (float64 params may have float32 moments, float16 params bfloat16 ones) neither is
+    checked: give ``params=`` for the checks (:func:`from_torch_optim` makes them on import).
+
     torch's ``load_state_dict`` replaces each param group by the saved one whole, and these groups hold only the
     hparams and Adam's options: what a torch lr scheduler wrote into the torch optimizer's groups (``initial_lr``;
     ``OneCycleLR``'s ``max_lr``, ``min_lr``, ``base_momentum``, ``max_momentum``) and its implementation choices
