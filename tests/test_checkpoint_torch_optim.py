@@ -1112,3 +1112,31 @@ def test_an_l2_export_like_a_decoupled_state_dict_is_refused_naming_its_group():
     ck.to_torch_optim(adam, state, sofx.AdamHParams(weight_decay=0.0), like=torch_adamw.state_dict())
     adamw = sofx.adamw(lr=1e-2, weight_decay=0.1)
     ck.to_torch_optim(adamw, adamw.update(params, grads, adamw.init(params))[1], like=torch_adam.state_dict())
+
+
+def test_an_export_like_a_torch_optimizer_whose_param_names_put_a_leaf_elsewhere_is_refused_naming_it():
+    """A torch optimizer made from named_parameters() keeps each group's param_names, and like= carries them into the
+    export; but the export numbers the leaves in the params tree's flatten order (dict keys sorted: k, q, v), not the
+    model's (q, k, v): torch's load_state_dict put the projections' moments, all of one shape, into each other's
+    parameters without a word, and the names said so. A name of another leaf than the one at its position is
+    refused, naming both (as from_torch_optim refuses it); with groups= in the optimizer's order the export loads
+    each moment into its own parameter."""
+    adamw = sofx.adamw(lr=1e-2)
+    model = _Attention()
+    torch_opt = torch.optim.AdamW(model.named_parameters(), lr=1e-2)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    grads = {k: torch.randn(v.shape, generator=torch.Generator().manual_seed(i)) for i, (k, v) in
+             enumerate(params.items())}
+    state = adamw.update(params, grads, adamw.init(params))[1]
+    for like in (torch_opt, torch_opt.state_dict()):
+        with pytest.raises(ck.CheckpointMismatchError, match=r"^to_torch_optim: like's param_groups\[0\]\['param_"
+                                                             r"names'\]\[0\] is 'q.weight', the params leaf "
+                                                             r"params\['q.weight'\], but the export puts "
+                                                             r"params\['k.weight'\] there"):
+            ck.to_torch_optim(adamw, state, like=like)
+    groups = [g["param_names"] for g in torch_opt.state_dict()["param_groups"]]
+    torch_opt.load_state_dict(ck.to_torch_optim(adamw, state, groups=groups, like=torch_opt))
+    for name, p in model.named_parameters():
+        assert torch.equal(torch_opt.state[p]["exp_avg"], state.mu[name])
+    foreign = [{**torch_opt.param_groups[0], "param_names": [f"module.{n}" for n in groups[0]]}]
+    ck.to_torch_optim(adamw, state, like=foreign)  # (names of no leaf say nothing: the order is the caller's)

@@ -123,6 +123,8 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     size, is refused (:class:`~sofx.checkpoint.CheckpointMismatchError`); so is a ``torch.optim.AdamW`` as ``like``
     of an L2 optimizer's export with weight decay (``sofx.adam``: AdamW's ``load_state_dict`` makes it decoupled),
     and a state dict or groups as ``like`` whose group says ``decoupled_weight_decay=True`` over a group with decay.
+    A ``like`` group's ``param_names`` (a torch optimizer made from ``named_parameters()``) that name another leaf
+    than the one the export puts at that position are refused, naming both (pass ``groups=`` in its order).
     """
     _check_opt(opt, "to_torch_optim")
     if not isinstance(state, AdamState):
@@ -144,6 +146,7 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
         check_float32_groups(resolved, mus if params is None else p_leaves, paths)
     _refuse_decoupling_like(opt, like, resolved)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
+    _check_like_names(like, resolved, _leaves_by_name(state.mu if params is None else params), paths)
     torch_state: dict[int, dict] = {}
     param_groups = []
     index = 0
@@ -231,6 +234,32 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
                                           f"the export's {size} (torch's load_state_dict refuses groups of other "
                                           "sizes)")
     return [{k: copy.deepcopy(v) for k, v in group.items() if k not in _EXPORTED_KEYS} for group in found]
+
+
+def _check_like_names(like: Any, resolved: list[ParamGroup], named: dict[str, int], paths: list[str]) -> None:
+    """Refuse an export whose ``like`` (checked by :func:`_like_entries`) has a group whose ``param_names`` (a torch
+    optimizer made from ``named_parameters()`` keeps them, and the export carries them) name, at some position,
+    another leaf than the one the export puts there (``named``: :func:`_leaves_by_name` of the exported tree): the
+    tree's flatten order (dict keys sorted) is not the model's, and torch's ``load_state_dict`` would put moments
+    of equal shapes into each other's parameters. Names of no leaf (another naming) say nothing, as
+    :func:`_check_param_names` reads them on import."""
+    if like is None:
+        return
+    found = like.param_groups if isinstance(like, torch.optim.Optimizer) else \
+        like["param_groups"] if isinstance(like, dict) else like
+    for gi, (group, g) in enumerate(zip(found, resolved)):
+        names = group.get("param_names")
+        if not isinstance(names, (list, tuple)) or len(names) != len(g.leaves):
+            continue
+        for j, (name, leaf) in enumerate(zip(names, g.leaves)):
+            other = named.get(name) if isinstance(name, str) else None
+            if other is not None and other != leaf:
+                raise CheckpointMismatchError(
+                    f"to_torch_optim: like's param_groups[{gi}]['param_names'][{j}] is {name!r}, the params leaf "
+                    f"{paths[other]}, but the export puts {paths[leaf]} there (the tree's leaf order: dict keys "
+                    "sorted, an OrderedDict's as it holds them), and torch's load_state_dict would give that "
+                    "parameter another's moments; pass groups= in the torch optimizer's order (for "
+                    "dict(model.named_parameters()): groups=[g['param_names'] for g in torch_opt.param_groups])")
 
 
 def _check_exported_moments(mu: Any, nu: Any, at: str, dtype: torch.dtype | None, path: str) -> None:
