@@ -908,6 +908,20 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
             ck.load_zero3(tmp_path, opt, params, HP)
 
 
+@pytest.mark.parametrize("key, value", [("bias_correction", "True"), ("bias_correction", torch.tensor([True, True])),
+                                        ("adam_w_mode", "False"), ("decoupled_weight_decay", torch.tensor([1, 1])),
+                                        ("amsgrad", torch.tensor([0, 0])), ("maximize", 0.5)])
+def test_a_file_option_that_is_no_flag_is_a_corrupt_file_naming_it(tmp_path, key, value):
+    """A param group's bias_correction, amsgrad, maximize, decoupled_weight_decay or adam_w_mode that is no True or
+    False (a damaged file): a str was read by bool() ("False" as true: taken as decoupled; bias_correction "True"
+    refused as 'bias_correction=True, the optimizer has True') and a tensor of two elements raised torch's bare
+    RuntimeError. Each is a CorruptCheckpointError naming the block, the key and the value."""
+    opt, params = _saved_with_group_entry(tmp_path, key, value)
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"block 1 .*param_groups\[1\]\['{key}'\]: expected True "
+                                                        rf"or False, got {re.escape(repr(value)[:20])}"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def test_a_step_kept_in_the_param_group_as_deepspeeds_fused_adam_keeps_it_is_read(tmp_path):
     """DeepSpeed's FusedAdam (ZeRO-3 without CPU offload) kept the step count in its param group
     (``group['step']``), not in each flat block's state entry, and initializes an entry's step from it: a file

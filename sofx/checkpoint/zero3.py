@@ -62,6 +62,7 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, Ch
 from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, prefix_ids, resolve_groups,
                                     saved_hparams)
 from sofx.checkpoint.io import template_device
+from sofx.checkpoint.torch_optim import _is_flag
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
@@ -830,6 +831,11 @@ def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
     return groups
 
 
+# A file's param group options read as on/off (torch.optim's, DeepSpeed's Adam's and FusedAdam's): each a bool
+# (Python's or numpy's) or the int 0 or 1 where a group holds it (None: not said)
+_FLAG_KEYS = ("bias_correction", "amsgrad", "maximize", "decoupled_weight_decay", "adam_w_mode")
+
+
 def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_leaves: list[Any],
                paths: list[str], opt: Adam, top: Any = None) -> dict:
     """Rank ``rank``'s file (the rank its name says), checked against the layout and, where sofx wrote it,
@@ -887,6 +893,11 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if flat.layout != torch.strided:  # (torch.load rebuilds sparse tensors; reshape would fail on it)
             raise CorruptCheckpointError(f"{where}: the flat master is a tensor of layout {flat.layout}, not a dense "
                                          "one")
+        gi = next(i for i, group in enumerate(saved_groups) if group is saved)
+        for key in _FLAG_KEYS:  # (bool() took "False" as true; a tensor of two raised torch's bare RuntimeError)
+            if saved.get(key) is not None and not _is_flag(saved[key]):
+                raise CorruptCheckpointError(f"{where}: param_groups[{gi}]['{key}']: expected True or False, got "
+                                             f"{saved[key]!r:.80}")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
             raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "
                                    f"{opt.variant.bias_correction}")
@@ -898,7 +909,6 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
             raise UnsupportedError(f"{where}: the file's optimizer has decoupled weight decay={bool(decoupled)}, "
                                    f"this one {opt.variant.decoupled}")
-        gi = next(i for i, group in enumerate(saved_groups) if group is saved)
         # (the masters are cast to the template's leaves: a block of float64 ones is stepped in float64)
         wide = all(p_leaves[i].dtype == torch.float64 for i in g.leaves)
         # (half: a float16 or bfloat16 lr, beta or weight_decay is refused, as from_torch_optim and update refuse
