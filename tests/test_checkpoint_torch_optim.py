@@ -737,6 +737,22 @@ def test_a_saved_bias_correction_flag_that_is_no_bool_is_refused_naming_it(value
         ck.from_torch_optim(sofx.adamw(), sd, params)
 
 
+@pytest.mark.parametrize("key", ["amsgrad", "maximize", "decoupled_weight_decay"])
+@pytest.mark.parametrize("value", ["False", torch.tensor([0, 0])], ids=["str", "tensor"])
+def test_a_saved_option_that_is_no_flag_is_refused_naming_it(key, value):
+    """A group's amsgrad, maximize or decoupled_weight_decay that is no True or False: the str "False" was true to
+    bool() (decoupled_weight_decay "False" imported into sofx.adamw, refused from sofx.adam as 'has
+    decoupled_weight_decay=True'; amsgrad refused as amsgrad='False'), and a tensor of two elements raised torch's
+    bare RuntimeError. Refused as bias_correction is, naming the entry and the value; None says nothing."""
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0][key] = value
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]\['{key}'\]: expected True "
+                                                 rf"or False, got {re.escape(repr(value)[:20])}"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    sd["param_groups"][0][key] = None
+    ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
 def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():
     """A saved lr held as a tensor that requires grad (torch.optim's ``differentiable=True`` with a tensor lr, a
     learned lr) is read as its number, as float() took it before the number checks; they refused it as "not a
