@@ -1360,6 +1360,26 @@ def test_a_nested_tensor_is_refused_naming_its_path_and_nothing_is_written(tmp_p
     assert ck.stale_temporaries(path) == []
 
 
+def test_a_lazy_modules_uninitialized_parameter_is_refused_naming_its_path_and_nothing_is_written(tmp_path):
+    """A lazy module's parameter before its first forward (torch.nn.UninitializedParameter, or an
+    UninitializedBuffer) raised torch's ValueError ('Attempted to use an uninitialized parameter in ...
+    storage_offset') from save and save_async, and its RuntimeError as load's template, naming no leaf. Each is a
+    CheckpointError naming its path, before anything is written or read."""
+    path = tmp_path / "u.ckpt"
+    ck.save(path, {"previous": torch.arange(3)})
+    lazy = torch.nn.LazyLinear(2)
+    for save in (ck.save, ck.save_async):
+        for leaf in (lazy.weight, torch.nn.UninitializedBuffer()):
+            with pytest.raises(ck.CheckpointError, match=r"^tree\['x'\]: an uninitialized parameter or buffer \(a "
+                                                         r"lazy module's"):
+                save(path, {"x": leaf})
+    assert torch.equal(ck.load(path)["previous"], torch.arange(3))
+    assert ck.stale_temporaries(path) == []
+    with pytest.raises(ck.CheckpointMismatchError, match=r"u\.ckpt: tree\['previous'\]: the template has an "
+                                                         r"uninitialized parameter or buffer"):
+        ck.load(path, like={"previous": torch.nn.UninitializedBuffer()})  # (torch's RuntimeError from its shape)
+
+
 def test_a_path_ending_in_a_separator_is_refused(tmp_path):
     """``save("run/ckpt/", tree)`` (a path naming a directory, as its separator at the end says) wrote a file
     ``run/ckpt``, which ``load("run/ckpt/")`` then said does not exist; ``open`` (and so ``torch.save``) refuses

@@ -209,6 +209,9 @@ def json_int(text: str) -> int:
 
 
 def _encode_tensor(t: torch.Tensor, path: str, out: EncodedTree) -> dict:
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # (torch's ValueError at its first use)
+        raise CheckpointError(f"{path}: an uninitialized parameter or buffer (a lazy module's, before its first "
+                              "forward) has no shape or data to store; run a forward pass first")
     if t.is_nested:  # (of strided layout too: it has no shape, which torch's "Internal error" said)
         raise CheckpointError(f"{path}: a nested tensor cannot be stored; store its components (t.unbind())")
     if t.layout != torch.strided:
@@ -397,6 +400,10 @@ def _decode_tensor(node: dict, like: Any, path: str, load_tensor: Callable[[dict
             or sorted(order) != list(range(len(shape))):
         raise _corrupt(path, f"bad tensor order {str(order)[:80]!r} (expected a permutation of the dimensions "
                              f"of shape {shape})")
+    if isinstance(like, torch.nn.parameter.UninitializedTensorMixin):  # (torch's RuntimeError from its shape)
+        raise CheckpointMismatchError(f"{path}: the template has an uninitialized parameter or buffer (a lazy "
+                                      "module's, before its first forward), which has no shape to match; run a "
+                                      "forward pass first, or load without like=")
     if like is not None:
         if tuple(like.shape) != tuple(shape):
             raise CheckpointMismatchError(f"{path}: the checkpoint holds shape {tuple(shape)}, "
