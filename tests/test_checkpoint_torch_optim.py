@@ -1156,3 +1156,18 @@ def test_an_export_like_a_torch_optimizer_whose_param_names_put_a_leaf_elsewhere
         assert torch.equal(torch_opt.state[p]["exp_avg"], state.mu[name])
     foreign = [{**torch_opt.param_groups[0], "param_names": [f"module.{n}" for n in groups[0]]}]
     ck.to_torch_optim(adamw, state, like=foreign)  # (names of no leaf say nothing: the order is the caller's)
+
+
+def test_a_lazy_modules_uninitialized_parameter_is_refused_naming_the_leaf():
+    """A lazy module's parameters before its first forward (no shape, no data) as from_torch_optim's params or
+    to_torch_optim's params= raised torch's ValueError or RuntimeError ('Attempted to use an uninitialized
+    parameter', 'Can't access the shape'), naming no leaf: a CheckpointError naming the function and the leaf."""
+    opt = sofx.adamw()
+    real = dict(torch.nn.Linear(3, 2).named_parameters())
+    state = opt.update(real, tree.tree_map(torch.ones_like, real), opt.init(real))[1]
+    lazy = dict(torch.nn.LazyLinear(2).named_parameters())
+    for who, call in (("from_torch_optim", lambda: ck.from_torch_optim(opt, ck.to_torch_optim(opt, state), lazy)),
+                      ("to_torch_optim", lambda: ck.to_torch_optim(opt, state, params=lazy))):
+        with pytest.raises(ck.CheckpointError, match=rf"^{who}: params\['bias'\] is an uninitialized parameter \(a "
+                                                     r"lazy module's"):
+            call()

@@ -143,6 +143,23 @@ def test_a_params_template_leaf_sofx_cannot_step_is_refused_naming_it(tmp_path, 
         ck.load_zero3(tmp_path, opt, template, HP)
 
 
+def test_a_lazy_modules_uninitialized_parameter_is_refused_naming_the_leaf_before_any_file(tmp_path):
+    """A lazy module's parameters before their first forward (no shape, no data) raised torch's RuntimeError ('Can't
+    access the shape of an uninitialized parameter') from save_zero3 and load_zero3, naming no leaf: a
+    CheckpointError naming the function and the leaf, before any file is written or read."""
+    opt = sofx.adamw()
+    real = dict(torch.nn.Linear(3, 2).named_parameters())
+    state = opt.init(real)
+    ck.save_zero3(tmp_path / "real", opt, real, state, deepspeed_objects=False)
+    lazy = dict(torch.nn.LazyLinear(2).named_parameters())
+    for who, call in (("save_zero3", lambda: ck.save_zero3(tmp_path / "out", opt, lazy, state,
+                                                           deepspeed_objects=False)),
+                      ("load_zero3", lambda: ck.load_zero3(tmp_path / "real", opt, lazy))):
+        with pytest.raises(ck.CheckpointError, match=rf"^{who}: params\['bias'\] is an uninitialized parameter"):
+            call()
+    assert not os.path.exists(tmp_path / "out")
+
+
 def test_a_save_into_an_older_checkpoint_directory_leaves_one_checkpoint(tmp_path, monkeypatch):
     """An older save with more dp ranks (or the other bf16_ prefix) in the same directory: its files that the new
     save does not overwrite are removed (loading read them as ranks of the new one, or refused)."""

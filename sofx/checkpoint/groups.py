@@ -45,7 +45,7 @@ from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams",
-           "check_params_template", "check_float32_groups"]
+           "check_params_template", "refuse_uninitialized", "check_float32_groups"]
 
 
 @dataclass(frozen=True)
@@ -149,12 +149,23 @@ def check_params_template(who: str, leaves: Sequence[Any], paths: Sequence[str])
     steps, as ``opt.init`` refuses it: not a tensor, not floating-point (an int64 or bool leaf took the moments and
     masters cast to it, truncated, without a word), not dense. A :class:`CheckpointError` naming ``who`` and the
     leaf, before any file or state dict is read."""
+    refuse_uninitialized(who, leaves, paths)
     for path, p in zip(paths, leaves):
         try:
             _check_param(path, p)
         except LeafError as exc:
             raise CheckpointError(f"{who}: {exc} (params is the template of the parameters and state imported)") \
                 from None
+
+
+def refuse_uninitialized(who: str, leaves: Sequence[Any], paths: Sequence[str]) -> None:
+    """Refuse a params leaf that is a lazy module's uninitialized parameter (before its first forward: no shape,
+    no data; torch raised its ValueError or RuntimeError naming no leaf): a :class:`CheckpointError` naming ``who``
+    and the leaf."""
+    for path, p in zip(paths, leaves):
+        if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+            raise CheckpointError(f"{who}: {path} is an uninitialized parameter (a lazy module's, before its first "
+                                  "forward), which has no shape or data; run a forward pass first")
 
 
 def check_float32_groups(resolved: Sequence[ParamGroup], leaves: Sequence[Any], paths: Sequence[str]) -> None:

@@ -43,7 +43,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import (ParamGroup, check_float32_groups, check_params_template, hparams_tree,
-                                    resolve_groups, saved_hparams)
+                                    refuse_uninitialized, resolve_groups, saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
@@ -133,6 +133,7 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
         mus, spec = tree.flatten(state.mu)
     else:  # the params' order (a state whose mappings are of another type: matched key by key)
         p_leaves, spec = tree.flatten(params)
+        refuse_uninitialized("to_torch_optim", p_leaves, tree.leaf_paths(spec))
         mus = tree.flatten_up_to(spec, state.mu, "state.mu")
     paths = tree.leaf_paths(spec)
     counts = tree.flatten_up_to(spec, state.count, "state.count")

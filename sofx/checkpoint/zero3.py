@@ -59,8 +59,8 @@ from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError, check_path, system_error)
-from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, prefix_ids, resolve_groups,
-                                    saved_hparams)
+from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, prefix_ids, refuse_uninitialized,
+                                    resolve_groups, saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.checkpoint.torch_optim import _is_flag
 from sofx.errors import HParamError, UnsupportedError
@@ -197,6 +197,7 @@ def save_zero3(directory: str | os.PathLike, opt: Adam, params: Any, state: Adam
     _check_plain(loss_scaler, "loss_scaler")
     p_leaves, spec = tree.flatten(params)
     paths = tree.leaf_paths(spec)
+    refuse_uninitialized("save_zero3", p_leaves, paths)
     counts = tree.flatten_up_to(spec, state.count, "state.count")
     mus = tree.flatten_up_to(spec, state.mu, "state.mu")
     nus = tree.flatten_up_to(spec, state.nu, "state.nu")
