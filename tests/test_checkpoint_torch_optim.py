@@ -901,13 +901,17 @@ def test_a_saved_hparam_no_step_can_take_is_refused_at_import_naming_its_group_a
     ("betas", (torch.tensor(0.9, dtype=torch.float16), torch.tensor(0.999, dtype=torch.float16)),
      r"\['betas'\]\[0\] = tensor\(0\.8999, dtype=torch\.float16\) is a float16 number"),
     ("weight_decay", torch.tensor([0.1], dtype=torch.bfloat16), r"\['weight_decay'\] = tensor\(\[0\.1001\], "
-                                                                 r"dtype=torch\.bfloat16\) is a bfloat16 number")])
+                                                                 r"dtype=torch\.bfloat16\) is a bfloat16 number"),
+    ("lr", np.array([1e-3], dtype=np.float16), r"\['lr'\] = np\.float16\(0\.001\) is a float16 number"),
+    ("weight_decay", np.array(0.1, dtype=np.float16), r"\['weight_decay'\] = np\.float16\(0\.1\) is a float16 "
+                                                       r"number")])
 def test_a_saved_half_precision_hparam_is_refused_at_import_as_update_refuses_it(key, value, where):
     """A float16 or bfloat16 lr, beta or weight_decay in a torch.optim state dict (a LambdaLR whose lambda returns a
     numpy float16 makes the group's lr one), which torch.optim's for-loop step computes with in that precision, was
     imported as the Python float it holds: the run went on with another step than torch's, where update, the offload
     facade and its load_state_dict refuse such a value. Refused at import naming the group and key, nothing
-    imported; a float16 eps (torch adds it to a float32 tensor) is taken, as update takes it."""
+    imported (a numpy float16 array of one element too, which was read as its float where a numpy float16 was
+    refused); a float16 eps (torch adds it to a float32 tensor) is taken, as update takes it."""
     params, sd = _refused_at_import(key, value, where)
     _, sd = _adamw_state_dict()
     sd["param_groups"][0]["eps"] = np.float16(1e-3)

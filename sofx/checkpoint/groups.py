@@ -83,12 +83,13 @@ def _group_numbers(hp: AdamHParams, where: str, exported: bool = False, float32:
 
 def one_element(x: Any) -> Any:
     """A saved hyperparameter that is a tensor or numpy array of one element as its 0-d tensor (detached: one that
-    requires grad, a learned lr, is read as its value) or its number (torch.optim takes an lr so); ``x``
-    otherwise."""
+    requires grad, a learned lr, is read as its value) or its numpy scalar, of the array's dtype (torch.optim takes
+    an lr so; a float16 one is refused as a numpy float16 is, where ``.item()`` gave the Python float it holds);
+    ``x`` otherwise."""
     if isinstance(x, torch.Tensor) and x.numel() == 1:
         return x.detach().reshape(())
-    if type(x).__module__ == "numpy" and getattr(x, "size", None) == 1 and callable(getattr(x, "item", None)):
-        return x.item()
+    if type(x).__module__ == "numpy" and getattr(x, "size", None) == 1 and callable(getattr(x, "reshape", None)):
+        return x.reshape(-1)[0]
     return x
 
 
@@ -125,6 +126,8 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
         if half:
             try:
                 refuse_half_precision(field, x, "", label=f"{at}{name}")
+                if type(x).__module__ == "numpy":  # (an array of one element: its scalar, of its dtype)
+                    refuse_half_precision(field, one_element(x), "", label=f"{at}{name}")
             except HParamError as exc:
                 raise range_error(str(exc)) from None
         v = as_number(one_element(x), f"{at}{name}", error)
