@@ -332,7 +332,12 @@ def zero_clip_factor(scaled_norm: float | torch.Tensor, scale: float | torch.Ten
 
 def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
     """Every (non-``None``) leaf multiplied by ``factor`` (new tensors); ``factor`` a finite number or a
-    1-element float tensor (on the leaves' device or the CPU; a meta one for meta leaves only)."""
+    1-element float tensor (on the leaves' device or the CPU; a meta one for meta leaves only).
+
+    A nan or inf factor (every gradient nan or inf) is refused, an :class:`HParamError` naming it: a number, and a
+    CPU tensor whose value can be read (its ``item()``, no device sync). A tensor on an accelerator is not read
+    (that would wait for the device, where the float path does not), nor one whose value cannot be read (vmap,
+    autograd, compile: :func:`~sofx.kernels.base.is_traced`): its nan or inf multiplies as torch's would."""
     if isinstance(factor, torch.Tensor):
         if factor.numel() != 1 or not factor.is_floating_point():
             # a (3,) factor was broadcast against each leaf: a (5, 3) leaf scaled column by column
@@ -346,6 +351,10 @@ def scale_tree(grads: Any, factor: float | torch.Tensor) -> Any:
         _check_device("scale_tree", "factor", factor, grads)
         if not (is_traced(factor) or in_storage(factor)):  # (freed or shrunk: every leaf times bytes past its end)
             refuse_short_storage(factor, "scale_tree: factor", HParamError)
+        if factor.device.type == "cpu" and not is_traced(factor) and not _finite_float(factor.item()):
+            # (the float path's refusal: a nan factor made every gradient nan without a word)
+            raise HParamError(f"scale_tree: factor = {factor!r:.60} is invalid; expected a finite number or a "
+                              "1-element float tensor holding one")
         return _scale_by_tensor(grads, factor.reshape(()))
     return tree.tree_map(lambda g: g * factor, grads)
 

@@ -783,6 +783,23 @@ def test_scale_tree_refuses_a_tensor_factor_of_several_elements_and_multiplies_a
         assert all(torch.equal(out[k], want[k]) for k in grads)
 
 
+def test_scale_tree_refuses_a_cpu_tensor_factor_holding_nan_or_inf(rng):
+    """A float factor of nan or inf was refused, the same value as a 0-d (or 1-element) CPU tensor was not read:
+    every gradient came back nan or inf without a word. Its value is read where that costs no device sync (a CPU
+    tensor whose value can be read), refused naming the value; a negative one multiplies, as a negative float does.
+    Under vmap (one factor per member) it is not read."""
+    grads = {"b": None, "w": torch.randn(2, 3, generator=rng)}
+    for value in (math.nan, math.inf, -math.inf):
+        for factor in (torch.tensor(value), torch.tensor([value], dtype=torch.float64)):
+            with pytest.raises(HParamError, match=r"scale_tree: factor = tensor\(.*\) is invalid; expected a finite "
+                                                  r"number"):
+                tx.scale_tree(grads, factor)
+    assert torch.equal(tx.scale_tree(grads, torch.tensor(-2.0))["w"], grads["w"] * -2.0)
+    factors = torch.tensor([0.5, math.nan])
+    out = torch.func.vmap(lambda f: tx.scale_tree(grads, f)["w"])(factors)
+    assert torch.equal(out[0], grads["w"] * 0.5) and out[1].isnan().all()
+
+
 def test_max_norm_of_any_real_number_type_or_a_one_element_tensor(rng):
     """A numpy max_norm (a LambdaLR's or a config file's) or a 1-element tensor was refused as "invalid; expected a
     finite number > 0"; it clips as the same Python float. bool, nan, negative numbers (-inf too), strings and
