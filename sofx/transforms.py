@@ -680,14 +680,39 @@ def check_finite() -> GradientTransformation:
 class AccumulationState(NamedTuple):
     """Gradients summed over the micro-steps so far (``None`` leaves: no gradient yet), and how many micro-steps
     (an integer >= 0: a Python int eagerly, a 0-d int64 tensor from :func:`accumulate` under a ``torch.func``
-    transform, ``vmap`` or ``grad``, whose function must return tensors)."""
+    transform, ``vmap`` or ``grad``, whose function must return tensors).
+
+    Under a ``torch.func`` transform (:func:`accumulation_init` and :func:`accumulate` there) a leaf without a
+    gradient yet is a 0-d bool tensor instead of ``None`` (``vmap`` refused ``None`` in the state it returns:
+    "must only return Tensors"); a state passed in takes either for no gradient yet (a sum is of the parameter's
+    floating dtype, never bool)."""
 
     total: Any
     micro_steps: int = 0
 
 
+def _in_func_transform() -> bool:
+    """Whether a ``torch.func`` transform (``vmap``, ``grad``) runs, whose function must return tensors."""
+    return torch._C._functorch.maybe_current_level() is not None
+
+
+def _no_gradient_yet() -> torch.Tensor:
+    """A leaf's total before its first gradient under a ``torch.func`` transform (:class:`AccumulationState`)."""
+    return torch.zeros((), dtype=torch.bool)
+
+
+def _total_or_none(t: Any) -> Any:
+    """A state's total ``t`` of one leaf, ``None`` where it stands for no gradient yet (``None``, or a 0-d bool
+    tensor: :class:`AccumulationState`)."""
+    return None if isinstance(t, torch.Tensor) and t.dtype == torch.bool and t.dim() == 0 else t
+
+
 def accumulation_init(params: Any) -> AccumulationState:
-    """No gradient yet for any leaf of ``params``."""
+    """No gradient yet for any leaf of ``params`` (under a ``torch.func`` transform: 0-d tensors,
+    :class:`AccumulationState`)."""
+    if _in_func_transform():
+        return AccumulationState(tree.tree_map(lambda _: _no_gradient_yet(), params),
+                                 torch.zeros((), dtype=torch.int64))
     return AccumulationState(tree.tree_map(lambda _: None, params), 0)  # (see _like_params)
 
 
@@ -731,7 +756,7 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
     paths = tree.leaf_paths(spec)
     _check_params("accumulate", paths, leaves)
     new = tree.flatten_up_to(spec, grads, "grads") if grads is not None else [None] * len(leaves)
-    old = tree.flatten_up_to(spec, state.total, "accumulated gradients")
+    old = [_total_or_none(t) for t in tree.flatten_up_to(spec, state.total, "accumulated gradients")]
     for path, p, acc, g in zip(paths, leaves, old, new):
         if g is not None:
             _check_grad(path, g, p)
@@ -739,9 +764,10 @@ def accumulate(state: AccumulationState, grads: Any, params: Any) -> Accumulatio
             _check_grad(path, acc, p, "state.total")
     out = [acc if g is None else g.clone() if acc is None else acc + g for acc, g in zip(old, new)]
     micro_steps = micro_steps + 1
-    if not isinstance(micro_steps, torch.Tensor) and torch._C._functorch.maybe_current_level() is not None:
-        # (a torch.func transform, whose function must return tensors: vmap refused the Python int)
-        micro_steps = torch.tensor(micro_steps, dtype=torch.int64)
+    if _in_func_transform():  # (whose function must return tensors: vmap refused the Python int, and None totals)
+        if not isinstance(micro_steps, torch.Tensor):
+            micro_steps = torch.tensor(micro_steps, dtype=torch.int64)
+        out = [_no_gradient_yet() if t is None else t for t in out]
     return AccumulationState(_like_params(params, spec, out), micro_steps)
 
 
@@ -754,7 +780,7 @@ def accumulated(state: AccumulationState, params: Any, missing_grad: str = "skip
     _micro_steps("accumulated", state)
     leaves, spec = tree.flatten(params)
     _check_params("accumulated", tree.leaf_paths(spec), leaves)
-    totals = tree.flatten_up_to(spec, state.total, "accumulated gradients")
+    totals = [_total_or_none(t) for t in tree.flatten_up_to(spec, state.total, "accumulated gradients")]
     for path, p, t in zip(tree.leaf_paths(spec), leaves, totals):
         if t is not None:
             _check_grad(path, t, p, "state.total")

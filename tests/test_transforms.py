@@ -337,6 +337,31 @@ def test_accumulate_under_vmap_returns_a_tensor_micro_step_count(rng):
     assert all(torch.equal(got[k], eager.total[k]) for k in params)
 
 
+def test_an_accumulation_state_without_gradients_yet_leaves_vmap_and_comes_back(rng):
+    """vmap refused a state whose totals were None ("must only return Tensors, got type NoneType"): the state
+    accumulation_init makes, and one where a leaf got no gradient yet. Under a torch.func transform such a total is
+    a 0-d bool tensor (and the count a 0-d int64 tensor); passed back in, it is no gradient yet, as None is: the
+    sums and the skipped leaf are each member's eager ones. Eagerly the state is as before (None, a Python int)."""
+    params = {"w": torch.randn(4, 3, generator=rng), "b": torch.randn(4, 2, generator=rng)}
+    grads = {"w": torch.randn(4, 3, generator=rng), "b": None}
+    step = torch.func.vmap(lambda st, w, p: tx.accumulate(st, {"w": w, "b": None}, p))
+    state = torch.func.vmap(tx.accumulation_init)(params)
+    assert state.micro_steps.tolist() == [0] * 4
+    assert all(t.dtype == torch.bool and t.shape == (4,) for t in state.total.values())
+    state = step(state, grads["w"], params)
+    assert state.micro_steps.tolist() == [1] * 4 and state.total["b"].dtype == torch.bool
+    assert torch.equal(state.total["w"], grads["w"])
+    state = step(state, grads["w"], params)
+    got = torch.func.vmap(lambda st, p: tx.accumulated(st, p, "zero"))(state, params)
+    assert torch.equal(got["w"], grads["w"] + grads["w"]) and torch.equal(got["b"], torch.zeros(4, 2))
+    skip = torch.func.vmap(lambda st, p: tx.accumulated(st, p)["w"])(state, params)
+    assert torch.equal(skip, got["w"])
+    skipped = torch.func.vmap(lambda st, p: torch.tensor(tx.accumulated(st, p)["b"] is None))(state, params)
+    assert skipped.tolist() == [True] * 4
+    eager = tx.accumulate(tx.accumulation_init(params), grads, params)
+    assert eager.total["b"] is None and type(eager.micro_steps) is int
+
+
 @pytest.mark.parametrize("bad, kind", [(-1.0, "float"), ("a", "str"), (True, "bool"), (torch.ones(2), "Tensor")])
 def test_total_sumsq_refuses_what_is_no_sum_of_squares_naming_its_index(bad, kind):
     """A negative block sum (no sum of squares) was added in without a word, making the norm wrong; a str raised
