@@ -65,7 +65,7 @@ from sofx.kernels.base import check_step_size as kernel_check_step_size
 from sofx.kernels.chunked import ascending_chunks, listed_elements
 from sofx.kernels.layout import in_memory_order, is_dense, one_dense_layout, same_layout
 from sofx.kernels.storage import in_storage, refuse_short_storage
-from sofx.kernels.user_numbers import _described, as_integer, fact_value, flag, is_bool
+from sofx.kernels.user_numbers import _described, as_integer, fact_value, flag, integer, is_bool
 from sofx.kernels.donation import MemorySpans, check_writable, overlap_message, shared_memory_message
 from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoRecord, strategy_snapshot_bytes
 
@@ -2248,7 +2248,13 @@ def hparams_at(hparams: Any, step: int, name: str = "hparams") -> Any:
     ``cosine_decay(...)`` given as the hparams, or what a schedule returned) and a schedule inside an hparams tree
     (one per group: never evaluated) are refused, an :class:`HParamError` saying how to give them:
     ``hparams_schedule(lr=schedule)``, or one callable returning the whole tree
-    (``lambda t: group_hparams(labels, groups, base=schedule(t))``)."""
+    (``lambda t: group_hparams(labels, groups, base=schedule(t))``).
+
+    ``step`` (the steps taken so far) is an integer >= 0: a Python int, or a numpy or 1-element integer tensor
+    read as its int, as the schedules read theirs; anything else (-1, 2.0, True, a string) is refused before a
+    schedule runs, an :class:`HParamError` naming ``name: step`` (a custom schedule took it without a word)."""
+    if not (type(step) is int and step >= 0):  # (the common case, every step: a Python int; a guard under compile)
+        step = integer(f"{name}: step", step, 0)
     if not callable(hparams):
         check_step_hparams(hparams, name)
         return hparams

@@ -472,6 +472,29 @@ def test_schedule_arguments_that_are_no_numbers_or_no_counts_are_refused_naming_
         make(np)
 
 
+@pytest.mark.parametrize("step, pattern", [
+    (-1, r"^hparams: step = -1 is invalid; expected an integer >= 0"),
+    (2.0, r"^hparams: step = 2.0 is invalid; expected an integer >= 0 .*float \(a float is refused here"),
+    (True, r"^hparams: step = True is invalid; .*got bool"),
+    ("3", r"^hparams: step = '3' is invalid; .*got str"),
+    (torch.tensor([1, 2]), r"^hparams: step = tensor.* is invalid; .*shape \(2,\)")])
+def test_hparams_at_refuses_a_step_that_is_no_count_naming_it(step, pattern):
+    """hparams_at handed any step to the schedule: a custom one (a function of the step) took -1, 2.0 or True
+    without a word (a torch.optim LambdaLR's lambda gets counts), sofx's refused it in their own words ("schedule
+    step"). Refused as the schedules refuse it, naming hparams_at's argument, before the schedule runs; a numpy or
+    1-element integer tensor step is read as its int."""
+    np = pytest.importorskip("numpy")
+    seen = []
+    sched = lambda t: seen.append(t) or AdamHParams(lr=1e-3)  # noqa: E731
+    for hparams in (sched, AdamHParams(lr=1e-3)):
+        with pytest.raises(HParamError, match=pattern):
+            sofx.serial.hparams_at(hparams, step)
+    assert seen == []
+    for ok in (np.int64(3), torch.tensor(3), 3):
+        assert sofx.serial.hparams_at(sched, ok) == AdamHParams(lr=1e-3)
+    assert seen == [3, 3, 3] and all(type(t) is int for t in seen)
+
+
 @pytest.mark.parametrize("make, pattern", [
     (lambda: schedules.linear_warmup(math.nan, 10), r"^peak = nan is invalid; expected a finite number"),
     (lambda: schedules.linear_warmup(math.inf, 10, init=0.1), r"^peak = inf is invalid"),
