@@ -856,13 +856,18 @@ def no_decay_labels(params: Any, decay: str = "decay", no_decay: str = "no_decay
     scales) or a name in its path is a bias or a norm (``bias``, ``qkv_bias``,
     ``norm1``, ``LayerNorm``, ``ln_f``; not ``abnormal_proj``). ``batch_dims``:
     leading dimensions not counted (1 for an ensemble's stacked parameters,
-    ``torch.func.stack_module_state``).
+    ``torch.func.stack_module_state``); a leaf with fewer dimensions than that (not stacked) is refused, a
+    :class:`LeafError` naming it, its shape and ``batch_dims``.
     """
     batch_dims = integer("batch_dims", batch_dims, 0)  # numpy's too, as a Python int
 
     def rule(path: str, p: torch.Tensor) -> str:
         if not isinstance(p, torch.Tensor):  # (an AttributeError from p.dim())
             raise LeafError(f"no_decay_labels: {path}: expected a tensor, got {type(p).__name__}")
+        if p.dim() < batch_dims:  # (labelled no_decay without a word: its dims after the batch dims were < 0)
+            raise LeafError(f"no_decay_labels: {path}: has {p.dim()} dimension{'' if p.dim() == 1 else 's'} (shape "
+                            f"{tuple(p.shape)}), fewer than batch_dims = {batch_dims} (the leading dimensions "
+                            "stacked, not counted); expected every leaf stacked alike")
         return no_decay if p.dim() - batch_dims < 2 or _names_bias_or_norm(path) else decay
 
     return label_params(params, rule)

@@ -778,6 +778,19 @@ def test_no_decay_labels_of_a_leaf_that_is_not_a_tensor_is_refused_naming_it():
             tx.no_decay_labels({"head": [torch.ones(2, 2), leaf]})
 
 
+def test_no_decay_labels_refuses_a_leaf_with_fewer_dims_than_batch_dims_naming_it():
+    """With batch_dims=2 (an ensemble of ensembles) a leaf of 1 dimension (a parameter that was not stacked, or
+    batch_dims too large) was labelled no_decay without a word: its dims after the batch dims were -1. Refused,
+    a LeafError naming the leaf, its shape and batch_dims; a leaf of exactly batch_dims dims (stacked scalars) is
+    no_decay, as a scalar is."""
+    params = {"w": torch.zeros(4, 2, 3, 5), "head": [torch.zeros(4, 2), torch.zeros(3)]}
+    with pytest.raises(LeafError, match=r"no_decay_labels: params\['head'\]\[1\]: has 1 dimension \(shape \(3,\)\), "
+                                        r"fewer than batch_dims = 2"):
+        tx.no_decay_labels(params, batch_dims=2)
+    params["head"][1] = torch.zeros(4, 2, 3)
+    assert tx.no_decay_labels(params, batch_dims=2) == {"w": "decay", "head": ["no_decay", "no_decay"]}
+
+
 def test_param_group_helpers_and_scale_tree_refuse_arguments_of_the_wrong_type():
     """A list of pairs as groups raised an AttributeError, a string label_fn a TypeError; scale_tree with a string
     factor a TypeError from torch, with a nan factor gave nan gradients, with an int beyond the float range a bare
