@@ -1220,6 +1220,7 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
     for f, x in zip(AdamHParams._fields, hp):  # (read as a Python number, its precision was no longer seen)
         if x is not None:
             refuse_half_precision(f, x, where)
+            refuse_unreal_tensor(f, x, where)  # (read as a Python bool or complex, its refusal said "got bool")
     return AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
                          as_number(x, lambda f=f: f"{where}: {f}")
                          for f, x, d in zip(AdamHParams._fields, hp, defaults)))
@@ -2058,6 +2059,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
             raise HParamError(f"{where}{path}: {name} is a schedule ({type(value).__name__}), where a value is taken "
                               f"(a float or a 0-d tensor): {_field_schedule_hint(name)}")
         refuse_half_precision(name, value, where, path)
+        refuse_unreal_tensor(name, value, where, path)
         if is_numpy_real(value):  # (read as the Python number it holds where hparams are read: as_number)
             value = as_number(value)
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
@@ -2070,6 +2072,16 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
                 return
             value = as_number(value, lambda: f"{where}{path}: {name}")
     check_hparam_range(name, value, where, path)
+
+
+def refuse_unreal_tensor(name: str, value: Any, where: str, path: str = "") -> None:
+    """Refuse (an :class:`HParamError` naming ``where + path``) a tensor of a bool or complex dtype as the value of
+    hparam ``name``, naming its dtype and shape (traced too: its dtype is known). Read as its Python value it was
+    refused as "got bool" (a 0-d bool tensor taken at construction, its True in range) or raised a bare TypeError
+    from a comparison (complex)."""
+    if isinstance(value, torch.Tensor) and (value.dtype == torch.bool or value.is_complex()):
+        raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor of a real dtype, got a "
+                          f"{value.dtype} tensor of shape {tuple(value.shape)}")
 
 
 # The hparams torch.optim's for-loop and foreach Adam(W) compute with (1 - beta, beta ** t, lr / bias_correction,

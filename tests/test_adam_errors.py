@@ -608,6 +608,27 @@ def test_numpy_hparams_are_taken_as_the_python_numbers_they_hold(backend):
             sofx.Adam(hp, decoupled=True)
 
 
+@pytest.mark.parametrize("value, dtype", [(torch.tensor(True), "torch.bool"),
+                                          (torch.tensor(1e-3 + 0j), "torch.complex64")])
+@pytest.mark.parametrize("where", ["update", "sofx.adamw", "hparams_schedule"])
+def test_a_bool_or_complex_tensor_hparam_is_refused_naming_its_dtype(value, dtype, where):
+    """lr=torch.tensor(True) was refused at the step as "got bool" and taken at construction (its value True, 1 in
+    range), then refused at every step as the same bool; lr=torch.tensor(1e-3+0j) was "got complex" at the step,
+    and at construction torch's bare TypeError ("'<' not supported between instances of 'float' and 'complex'").
+    Refused everywhere, naming the tensor it is: its dtype and shape."""
+    pattern = rf"lr must be a float or a 0-d tensor of a real dtype, got a {dtype} tensor of shape \(\)"
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.HParamError, match=pattern):
+        if where == "update":
+            opt.update(params, grads, state, AdamHParams(lr=value), donate=True)
+        elif where == "sofx.adamw":
+            sofx.adamw(lr=value)
+        else:
+            sofx.schedules.hparams_schedule(lr=value)
+    _assert_unchanged(before, params, grads, state)
+
+
 def test_half_precision_hparams_that_torch_computes_with_in_their_precision_are_refused_naming_them():
     """lr=np.float16(1e-3): numpy keeps float16 in torch's arithmetic (NEP 50), so torch's for-loop AdamW computed
     1 - lr * weight_decay in float16 (1: no decay) and lr / bias_correction1 in float16, its fused one in float64,
