@@ -163,10 +163,21 @@ def check_loop(loop: Any) -> int:
 
 
 def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
-    """The loop state before the first step (``scaler``: a loss-scale rule, :func:`~sofx.loss_scale.check_scaler`)."""
+    """The loop state before the first step (``scaler``: a loss-scale rule, :func:`~sofx.loss_scale.check_scaler`).
+    A custom rule's ``init()`` that raises (not a refusal of sofx's own) is raised as a
+    :class:`~sofx.loss_scale.LossScaleRuleError` naming the rule, its exception the cause, as the steps raise it
+    (:func:`~sofx.loss_scale.call_rule`)."""
     check_opt(opt)
     check_scaler(scaler)
-    return LoopState(params, opt.init(params), scaler.init(), 0, None)
+    opt_state = opt.init(params)
+    try:
+        scaler_state = scaler.init()
+    except SofxError:
+        raise
+    except Exception as exc:  # (escaped bare, where the steps' call_rule names the rule)
+        raise LossScaleRuleError(f"init_loop: the loss-scale rule's init() ({type(scaler).__name__}) raised "
+                                 f"{type(exc).__name__}: {exc}; no loop state is made") from exc
+    return LoopState(params, opt_state, scaler_state, 0, None)
 
 
 def local_sumsq(total: float, present: Sequence[bool]) -> float:

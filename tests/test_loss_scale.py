@@ -716,6 +716,37 @@ def test_loops_given_no_loss_scale_rule_say_what_to_give(scaler, pattern):
     assert loop.params["w"].eq(1).all() and int(loop.opt_state.count["w"]) == 0
 
 
+class _BrokenInit:
+    """A custom loss-scale rule whose init() raises."""
+
+    def init(self):
+        raise ValueError("no initial scale configured")
+
+    def scale(self, state):
+        return 1.0
+
+    def update(self, state, overflow):
+        return state
+
+
+def test_init_loop_raises_a_custom_rules_failing_init_as_the_steps_do():
+    """init_loop called a custom rule's init() directly: its ValueError escaped bare, where serial_step and the loop
+    steps (call_rule) raise a LossScaleRuleError naming the rule and the method, the rule's exception its cause.
+    init_loop raises it so too, saying that no loop state is made."""
+    import sofx
+    from sofx import serial
+
+    rule = _BrokenInit()
+    with pytest.raises(ls.LossScaleRuleError, match=r"^init_loop: the loss-scale rule's init\(\) \(_BrokenInit\) "
+                                                    r"raised ValueError: no initial scale configured; no loop state "
+                                                    r"is made$") as info:
+        serial.init_loop(sofx.adamw(), {"w": torch.ones(3)}, rule)
+    assert isinstance(info.value.__cause__, ValueError)
+    with pytest.raises(ls.LossScaleRuleError, match=r"the loss-scale rule's init\(\) \(_BrokenInit\) raised"):
+        serial.serial_step(sofx.adamw(), {"w": torch.ones(3)}, {"w": torch.ones(3)}, sofx.adamw().init(
+            {"w": torch.ones(3)}), scaler=rule, scaler_state=None)
+
+
 @pytest.mark.parametrize("scale", [1000.1, 0.1, 3.0000001])
 def test_a_hand_set_scale_that_is_no_float32_value_scales_and_steps_as_torchs_loaded_one(scale: float):
     """A GradScalerState whose scale is no float32 value (set by hand, read from a file) was kept as the double:
