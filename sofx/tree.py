@@ -27,6 +27,7 @@ import optree
 import torch
 
 from sofx.errors import StructureError
+from sofx.kernels.storage import in_storage, refuse_short_storage
 
 PyTree = Any
 TreeSpec = optree.PyTreeSpec
@@ -575,8 +576,10 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     default the first leaf's, on ``device``, default the first leaf's). A leaf that this dtype cannot hold without
     changing its kind (floating point into an integer or bool one, complex into a real one) is refused before
     anything is written, as ``torch.cat(out=)`` refuses it; a cast within a kind is done. So are a leaf that is not
-    dense (sparse, nested: no flat view), a meta leaf (no value) for a buffer not on meta, and a ``dtype`` or
-    ``device`` torch does not read as one."""
+    dense (sparse, nested: no flat view), a meta leaf (no value) for a buffer not on meta, a ``dtype`` or
+    ``device`` torch does not read as one, and a leaf or ``out`` whose elements reach past the end of its storage
+    (freed or shrunk: :func:`~sofx.kernels.storage.refuse_short_storage`, a :class:`~sofx.errors.LeafError`; reading
+    such a leaf crashed the process)."""
     leaves = _tensor_leaves("pack", leaves)
     if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
         raise TypeError(f"pack: out is a {type(out).__name__}, expected a 1-d tensor")
@@ -600,6 +603,10 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
             if t.is_meta:  # (torch's bare "Cannot copy out of meta tensor; no data!", out half written)
                 raise ValueError(f"pack: leaves[{i}] is a meta tensor, which holds no value, for a buffer on {where} "
                                  "(meta leaves pack into a meta buffer only)")
+            if not in_storage(t):  # (freed or shrunk: a segmentation fault reading it, out half written)
+                refuse_short_storage(t, f"pack: leaves[{i}]")
+        if out is not None and not in_storage(out):  # (torch's bare "setStorage: ... out of bounds")
+            refuse_short_storage(out, "pack: out")
     n = numel_of(leaves)
     if out is not None and (out.numel() != n or out.dim() != 1):
         raise ValueError(f"pack: out has {out.numel()} elements (dim {out.dim()}), leaves need {n} in 1-d")

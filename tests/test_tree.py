@@ -256,6 +256,26 @@ def test_numel_of_and_pack_refuse_bad_leaves_a_str_dtype_and_meta_leaves_naming_
     assert tree.pack([torch.ones(2)], device="meta").shape == (2,)
 
 
+def test_pack_refuses_a_leaf_or_an_out_whose_memory_was_freed_before_writing():
+    """A leaf whose storage was freed (``untyped_storage().resize_(0)``, as FSDP frees a parameter) crashed the
+    process in pack (a segmentation fault reading it), after the leaves before it were written into ``out``; a
+    freed ``out`` raised torch's bare "setStorage: ... out of bounds". Refused first, a LeafError (a ValueError)
+    naming it and the bytes held and needed, ``out`` unchanged."""
+    freed = torch.randn(1000)
+    freed.untyped_storage().resize_(0)
+    out = torch.zeros(1002)
+    with pytest.raises(sofx.LeafError, match=r"^pack: leaves\[1\]: its storage holds 0 bytes, but its elements .* "
+                                             r"reach byte 4000"):
+        tree.pack([torch.ones(2), freed], out=out)
+    assert torch.equal(out, torch.zeros(1002))
+    with pytest.raises(sofx.LeafError, match=r"^pack: leaves\[1\]: its storage holds 0 bytes"):
+        tree.pack([torch.ones(2), freed])
+    out.untyped_storage().resize_(0)
+    with pytest.raises(sofx.LeafError, match=r"^pack: out: its storage holds 0 bytes, but its elements .* reach "
+                                             r"byte 4008"):
+        tree.pack([torch.ones(2), torch.ones(1000)], out=out)
+
+
 def test_unflatten_flatten_up_to_and_broadcast_prefix_refuse_a_tree_given_as_the_spec():
     """A tree given where the structure is expected raised a bare AttributeError ('dict' object has no attribute
     'unflatten' / 'flatten_up_to' / 'num_leaves'). A TypeError names the function and what was given."""
