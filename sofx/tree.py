@@ -26,7 +26,8 @@ from typing import Any, Callable, Mapping, Sequence
 import optree
 import torch
 
-from sofx.errors import StructureError
+from sofx.errors import LeafError, StructureError
+from sofx.kernels.donation import MemorySpans
 from sofx.kernels.storage import in_storage, refuse_short_storage
 
 PyTree = Any
@@ -579,7 +580,9 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     dense (sparse, nested: no flat view), a meta leaf (no value) for a buffer not on meta, a ``dtype`` or
     ``device`` torch does not read as one, and a leaf or ``out`` whose elements reach past the end of its storage
     (freed or shrunk: :func:`~sofx.kernels.storage.refuse_short_storage`, a :class:`~sofx.errors.LeafError`; reading
-    such a leaf crashed the process)."""
+    such a leaf crashed the process). A leaf that shares memory with ``out`` is refused as ``torch.cat(out=)`` refuses
+    it (a :class:`~sofx.errors.LeafError`: read after an earlier leaf was written there, it packed that leaf's
+    values), but for one that is exactly its own place in ``out`` (:func:`unpack`'s views packed back)."""
     leaves = _tensor_leaves("pack", leaves)
     if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
         raise TypeError(f"pack: out is a {type(out).__name__}, expected a 1-d tensor")
@@ -619,12 +622,40 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
                             "its kind")
     if out is None:
         out = torch.empty(n, dtype=target, device=where)
+    else:
+        _refuse_leaves_in_out(leaves, out)
     offset = 0
     for t in leaves:
         k = t.numel()
         out[offset:offset + k].copy_(t.reshape(-1))
         offset += k
     return out
+
+
+def _refuse_leaves_in_out(leaves: Sequence[torch.Tensor], out: torch.Tensor) -> None:
+    """:func:`pack`'s refusal (a :class:`~sofx.errors.LeafError` naming it) of a leaf whose memory overlaps ``out``
+    (:class:`~sofx.kernels.donation.MemorySpans`) but for one that is exactly its own place there (its copy writes
+    each element onto itself). Not for meta tensors (no memory) nor ``torch.func`` wrappers (no address)."""
+    tensors = [out, *leaves]
+    if any(t.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+        return
+    others, offset = [], 0
+    for i, t in enumerate(leaves):
+        k = t.numel()
+        place = out[offset:offset + k]
+        offset += k
+        if not (t.dtype == out.dtype and t.is_contiguous() and place.is_contiguous() and k
+                and t.data_ptr() == place.data_ptr()):
+            others.append(i)
+    spans = MemorySpans()
+    spans.add([out], True, lambda i: "out")
+    spans.add([leaves[i] for i in others], False, lambda j: others[j])
+    found = spans.clash(lambda tag: "pack: out" if tag == "out" else f"pack: leaves[{tag}]")
+    if found is not None:
+        i = found[1] if found[0] == "out" else found[0]
+        raise LeafError(f"pack: leaves[{i}] and out share memory, elsewhere than its own place in out: writing out "
+                        "would change the leaf before it is read (torch.cat(out=) refuses this too); pack into another "
+                        "buffer, or clone the leaf")
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> list[torch.Tensor]:

@@ -276,6 +276,22 @@ def test_pack_refuses_a_leaf_or_an_out_whose_memory_was_freed_before_writing():
         tree.pack([torch.ones(2), torch.ones(1000)], out=out)
 
 
+def test_pack_refuses_a_leaf_that_shares_memory_with_out_elsewhere_than_its_own_place():
+    """A leaf that is a view of ``out`` where an earlier leaf is written (``pack([x, out[:2]], out=out)``) was read
+    after that write: packed as the earlier leaf's values without a word; one that partly overlaps its own place
+    raised torch's bare "unsupported operation" after the leaves before it were written. Refused first (as
+    ``torch.cat(out=)`` refuses it), a LeafError naming the leaf and out, out unchanged. A leaf that is exactly its
+    own place in out (packing unpack's views back) still packs."""
+    out = torch.tensor([5.0, 6.0, 0.0, 0.0])
+    for leaves in ([torch.ones(2), out[0:2]], [torch.ones(1), out[0:2], torch.ones(1)]):
+        with pytest.raises(sofx.LeafError, match=r"^pack: leaves\[1\] and out share memory"):
+            tree.pack(leaves, out=out)
+        assert out.tolist() == [5.0, 6.0, 0.0, 0.0]
+    assert tree.pack(tree.unpack(out, [(2,), (1,), 1]), out=out).tolist() == [5.0, 6.0, 0.0, 0.0]
+    with pytest.raises(sofx.LeafError, match=r"^pack: leaves\[0\] and out share memory"):
+        tree.pack([out[2:4], torch.ones(2)], out=out)
+
+
 def test_unflatten_flatten_up_to_and_broadcast_prefix_refuse_a_tree_given_as_the_spec():
     """A tree given where the structure is expected raised a bare AttributeError ('dict' object has no attribute
     'unflatten' / 'flatten_up_to' / 'num_leaves'). A TypeError names the function and what was given."""
