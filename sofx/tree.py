@@ -70,8 +70,12 @@ def leaves(tree: PyTree) -> list[Any]:
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
-    """Inverse of :func:`flatten` (``spec`` anything but a tree structure: a ``TypeError`` naming it)."""
+    """Inverse of :func:`flatten` (``spec`` anything but a tree structure, or ``leaves`` no sequence: a ``TypeError``
+    naming it)."""
     _check_spec("unflatten", spec)
+    if not isinstance(leaves, collections.abc.Iterable):  # (Python's bare "'int' object is not iterable")
+        raise TypeError(f"unflatten: leaves is a {type(leaves).__name__}, expected a sequence of {spec.num_leaves} "
+                        "leaves")
     return optree.tree_unflatten(spec, list(leaves))
 
 
@@ -359,7 +363,9 @@ def unwalked_hint(x: Any) -> str:
 def structure_difference(spec: TreeSpec, tree: PyTree, root: str = "params", other: str = "the record's") -> str:
     """Where ``tree``'s structure departs from ``spec`` (``other``'s, the structure it must have exactly), the node
     types and their entries in order: unlike :func:`flatten_up_to`, which matches a mapping of another dict type or
-    key order key by key, such a mapping is a difference here (named as one: its leaves come in another order)."""
+    key order key by key, such a mapping is a difference here (named as one: its leaves come in another order).
+    ``spec`` anything but a tree structure: a ``TypeError`` naming it (a bare AttributeError, 'is_leaf')."""
+    _check_spec("structure_difference", spec)
 
     def article(name: str) -> str:
         return f"an {name}" if name[:1] in "AEIOU" else f"a {name}"

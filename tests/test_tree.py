@@ -305,6 +305,20 @@ def test_unflatten_flatten_up_to_and_broadcast_prefix_refuse_a_tree_given_as_the
     assert tree.unflatten(spec, [1, 2]) == {"w": 2, "b": [1]} and tree.broadcast_prefix(1.0, spec) == [1.0, 1.0]
 
 
+def test_structure_difference_refuses_a_tree_given_as_the_spec_and_unflatten_leaves_that_are_no_sequence():
+    """structure_difference given a tree as the spec raised a bare AttributeError ('dict' object has no attribute
+    'is_leaf'), as unflatten, flatten_up_to and broadcast_prefix did; unflatten given leaves that are no sequence
+    (an int) Python's bare "'int' object is not iterable". A TypeError names the function and what was given."""
+    params = {"w": torch.ones(2), "b": [torch.ones(1)]}
+    with pytest.raises(TypeError, match=r"^structure_difference: spec is a dict, expected a tree structure"):
+        tree.structure_difference(params, params)
+    spec = tree.flatten(params)[1]
+    with pytest.raises(TypeError, match=r"^unflatten: leaves is a int, expected a sequence of 2 leaves"):
+        tree.unflatten(spec, 5)
+    assert tree.structure_difference(spec, {"w": 1}) == "params has entries ['w'], expected ['b', 'w']"
+    assert tree.unflatten(spec, iter([1, 2])) == {"w": 2, "b": [1]}
+
+
 def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
     """A leaf of ``pack`` or the buffer of ``unpack`` that is not a tensor (a list, a number) raised a bare
     AttributeError ("'list' object has no attribute 'numel'", "'int' object has no attribute 'dim'"), and
