@@ -276,6 +276,18 @@ def test_pack_refuses_a_leaf_or_an_out_whose_memory_was_freed_before_writing():
         tree.pack([torch.ones(2), torch.ones(1000)], out=out)
 
 
+def test_unpack_refuses_a_flat_buffer_whose_memory_was_freed():
+    """A flat buffer whose storage was freed (as FSDP frees a flat parameter) raised torch's bare "setStorage: ...
+    out of bounds for storage of size 0" from its first view; refused, a LeafError naming it and the bytes held and
+    needed, as pack refuses a freed leaf."""
+    flat = torch.ones(6)
+    flat.untyped_storage().resize_(0)
+    with pytest.raises(sofx.LeafError, match=r"^unpack: flat: its storage holds 0 bytes, but its elements .* reach "
+                                             r"byte 24"):
+        tree.unpack(flat, [(2,), 4])
+    assert tree.unpack(torch.ones(0), [0, (0, 3)])[1].shape == (0, 3)
+
+
 def test_pack_refuses_a_leaf_that_shares_memory_with_out_elsewhere_than_its_own_place():
     """A leaf that is a view of ``out`` where an earlier leaf is written (``pack([x, out[:2]], out=out)``) was read
     after that write: packed as the earlier leaf's values without a word; one that partly overlaps its own place
