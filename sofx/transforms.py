@@ -467,6 +467,23 @@ class FiniteState(NamedTuple):
     nonfinite_steps: int = 0
 
 
+def _clip_init(params: Any) -> ClipState:
+    """A clip's state before its first step: :class:`ClipState`'s defaults; under a ``torch.func`` transform
+    (``vmap`` over an ensemble's init), whose function must return tensors, as 0-d tensors of them (vmap refused
+    the Python floats)."""
+    if _in_func_transform():
+        return ClipState(torch.full((), math.nan), torch.ones(()))
+    return ClipState()
+
+
+def _finite_init(params: Any) -> FiniteState:
+    """:func:`check_finite`'s state before its first step, as :func:`_clip_init` makes a clip's (under a
+    ``torch.func`` transform a 0-d bool and a 0-d int64 tensor)."""
+    if _in_func_transform():
+        return FiniteState(torch.ones((), dtype=torch.bool), torch.zeros((), dtype=torch.int64))
+    return FiniteState()
+
+
 def identity() -> GradientTransformation:
     """Leaves the gradients as they are."""
     return GradientTransformation(lambda params: EmptyState(),
@@ -620,7 +637,7 @@ def clip_by_global_norm(max_norm: float) -> GradientTransformation:
         coef = clip_coefficient(norm, max_norm)
         return (grads if coef == 1.0 else tree.tree_map(lambda g: g * coef, grads)), ClipState(norm, coef)
 
-    return GradientTransformation(lambda params: ClipState(), update)
+    return GradientTransformation(_clip_init, update)
 
 
 def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
@@ -654,7 +671,7 @@ def unscale_and_clip_zero(max_norm: float | None) -> GradientTransformation:
         return ((grads if combined == 1.0 else tree.tree_map(lambda g: g * (1.0 / combined), grads)),
                 ClipState(scaled / s, 1.0 / clip))
 
-    return GradientTransformation(lambda params: ClipState(), update)
+    return GradientTransformation(_clip_init, update)
 
 
 def check_finite() -> GradientTransformation:
@@ -673,7 +690,7 @@ def check_finite() -> GradientTransformation:
         ok = all(bool(torch.isfinite(g).all()) for g in leaves)
         return grads, FiniteState(ok, steps + (0 if ok else 1))
 
-    return GradientTransformation(lambda params: FiniteState(), update)
+    return GradientTransformation(_finite_init, update)
 
 
 # ------------------------------------------------------------ accumulation

@@ -677,6 +677,27 @@ def test_transforms_vmap_over_an_ensemble(rng):
         _assert_close(sofx.tree.tree_map(lambda x: x[k], zout), eager)
 
 
+def test_transform_states_made_under_vmap_are_tensors_and_step_each_member(rng):
+    """vmap refused the states that check_finite, clip_by_global_norm and unscale_and_clip_zero's init made ("must
+    only return Tensors, got type <class 'bool'>" / 'float'), where Adam's and apply_if_finite's init are vmapped
+    to make an ensemble's state. Under a torch.func transform they are 0-d tensors of the same values; a state so
+    made steps each member as the eager one does. Eagerly they are Python numbers, as before."""
+    members = [_tree(rng, s) for s in (0.05, 30.0)]
+    batched = sofx.tree.tree_map(lambda *xs: torch.stack(xs), *members)
+    t = tx.chain(tx.unscale(), tx.check_finite(), tx.clip_by_global_norm(1.0), tx.unscale_and_clip_zero(2.0))
+    state = torch.func.vmap(t.init)(batched)
+    _, fin, clip, zero = state
+    assert fin.all_finite.tolist() == [True, True] and fin.nonfinite_steps.tolist() == [0, 0]
+    assert clip.coef.tolist() == zero.coef.tolist() == [1.0, 1.0] and clip.norm.isnan().all()
+    out, (_, fin, clip, _) = torch.func.vmap(lambda g, s: t.update(g, s, loss_scale=4.0))(batched, state)
+    for k, m in enumerate(members):
+        eager, (_, efin, eclip, _) = t.update(m, t.init(m), loss_scale=4.0)
+        assert fin.nonfinite_steps[k].item() == efin.nonfinite_steps == 0
+        assert clip.norm[k].item() == pytest.approx(eclip.norm, rel=1e-6)
+        _assert_close(sofx.tree.tree_map(lambda x: x[k], out), eager)
+    assert t.init(members[0])[1:] == (tx.FiniteState(True, 0), tx.ClipState(), tx.ClipState())
+
+
 @pytest.mark.parametrize("call, name", [
     (lambda g, x: tx.scale_tree(g, x), "scale_tree: factor"),
     (lambda g, x: tx.unscale().update(g, tx.EmptyState(), loss_scale=x), "unscale: loss_scale"),
