@@ -1156,9 +1156,12 @@ class Adam:
         masters or states; or ``None``. What :meth:`update` raises, for callers that know the hparams before the
         tensors (the offload facade checks its param groups with it before backward steps any block). Values that
         cannot be read (tensors of a ``torch.func`` transform or that autograd records) are not: only the dtypes
-        are checked, as :meth:`update` checks them."""
+        are checked, as :meth:`update` checks them. Hparams that :meth:`update` refuses (out of range, no number)
+        are refused as it refuses them, an :class:`HParamError` naming ``algebraic_refusal`` (``None`` was returned
+        for them: "algebraic undo is possible")."""
         if not isinstance(hparams, AdamHParams):  # (a bare AttributeError)
             raise HParamError(f"algebraic_refusal: expected an AdamHParams, got {_described(hparams)}")
+        _validate_hparams(hparams, "algebraic_refusal")  # (its None fields: the defaults, checked at construction)
         if self.undo_mode != "algebraic":
             return None
         hparams = _read_hparams(hparams, self.defaults, "algebraic_refusal")  # (a None field: the default's)

@@ -629,6 +629,23 @@ def test_a_bool_or_complex_tensor_hparam_is_refused_naming_its_dtype(value, dtyp
     _assert_unchanged(before, params, grads, state)
 
 
+@pytest.mark.parametrize("hp, pattern", [
+    (AdamHParams(beta1=1.0), r"^algebraic_refusal: beta1 = 1.0 is invalid; expected 0 <= beta1 < 1"),
+    (AdamHParams(lr="fast"), r"^algebraic_refusal: lr must be a float or a 0-d tensor, got str"),
+    (AdamHParams(lr=float("nan"), weight_decay=1.0), r"^algebraic_refusal: lr = nan is invalid")])
+def test_algebraic_refusal_of_hparams_update_refuses_is_that_refusal(hp, pattern):
+    """algebraic_refusal says what update would raise, for callers that check hparams before the tensors; of hparams
+    that update refuses (a beta of 1, a string lr, a nan lr) it returned None: "algebraic undo is possible". Refused
+    as update refuses them, an HParamError naming the value."""
+    opt, params, grads, state = _setup(1)
+    alg = sofx.adamw(undo="algebraic")
+    with pytest.raises(sofx.HParamError, match=pattern):
+        alg.algebraic_refusal(hp)
+    with pytest.raises(sofx.HParamError, match=pattern.replace("^algebraic_refusal", r"^hparams for params\[.*?\]")):
+        alg.update(params, grads, alg.init(params), hp)
+    assert alg.algebraic_refusal(AdamHParams(beta1=0.5)) is None
+
+
 def test_half_precision_hparams_that_torch_computes_with_in_their_precision_are_refused_naming_them():
     """lr=np.float16(1e-3): numpy keeps float16 in torch's arithmetic (NEP 50), so torch's for-loop AdamW computed
     1 - lr * weight_decay in float16 (1: no decay) and lr / bias_correction1 in float16, its fused one in float64,
