@@ -74,8 +74,8 @@ from sofx.kernels.user_numbers import integer, is_bool, real_number
 from sofx.loss_scale import (FLOAT32_MAX, LossScaler, LossScaleRuleError, LossScaleState, call_rule, check_scaler,
                              check_state_kind, inverse_scale)
 from sofx.required import REQUIRED
-from sofx.transforms import (MISSING_GRAD_MODES, _sumsq, clip_coefficient, max_norm_value, total_sumsq,
-                             zero_clip_factor)
+from sofx.transforms import (MISSING_GRAD_MODES, _nonnegative_float, _sumsq, clip_coefficient, max_norm_value,
+                             total_sumsq, zero_clip_factor)
 
 __all__ = ["PROFILES", "StepFacts", "SerialStepResult", "LoopState", "init_loop", "hparams_at", "step_facts",
            "serial_step", "serial_loop_step", "check_opt", "check_loop", "check_profile", "check_max_norm",
@@ -473,6 +473,8 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
     custom rule's failure, the cause) or ``update`` returns a state whose scale cannot be read.
     """
     check_profile(profile)
+    if not (type(sumsq_total) is float and not sumsq_total < 0):  # (the common case, every step: a float >= 0 or nan)
+        sumsq_total = _checked_sumsq_total(sumsq_total)
     max_norm = clip_max_norm(profile, check_max_norm(max_norm))
     loss_scale_of(scaler, scaler_state)  # checked before it decides anything
     overflow = not math.isfinite(sumsq_total)
@@ -496,6 +498,19 @@ def step_facts(profile: str, scaler: LossScaler, scaler_state: LossScaleState, s
         unclipped = _clip_and_multiplier(profile, scaled_norm, scale, norm, None)[2] if scale > 0 else math.inf
         return StepFacts(True, sumsq_total, scale, norm, False, 1.0, unclipped, next_state, next_scale)
     return StepFacts(False, sumsq_total, scale, norm, clipped, coef, grad_scale, next_state, next_scale)
+
+
+def _checked_sumsq_total(s: Any) -> float:
+    """:func:`step_facts`' ``sumsq_total`` as a Python float where it is a sum of squares: a number >= 0, inf or nan
+    (a Python or numpy number, or a 1-element tensor; an int beyond the float range is inf), as
+    :func:`~sofx.transforms.total_sumsq` reads a block's; else an :class:`HParamError` naming it (a negative one
+    raised Python's bare "math domain error" from its square root, a str or None a TypeError, True was 1)."""
+    f = _nonnegative_float(s, "step_facts: sumsq_total")
+    if f is None:
+        raise HParamError(f"step_facts: sumsq_total = {s!r:.80} is invalid; expected a sum of squares >= 0 (inf or "
+                          "nan where a gradient is not finite: a Python or numpy number, or a 1-element tensor), got "
+                          f"{type(s).__name__}")
+    return f
 
 
 def _clip_and_multiplier(profile: str, scaled_norm: float, scale: float, norm: float,

@@ -191,6 +191,25 @@ def test_step_facts_at_a_loss_scale_that_cannot_unscale(profile: str):
     assert not ok.overflow and ok.clipped  # 2**126 is a float32: unscaled (and clipped) as usual
 
 
+@pytest.mark.parametrize("bad, kind", [(-1.0, "float"), ("4.0", "str"), (None, "NoneType"), (True, "bool")])
+def test_step_facts_refuses_what_is_no_sum_of_squares_naming_it(bad, kind):
+    """step_facts of a negative sum of squares raised Python's bare "math domain error" from its square root, of a
+    str "must be real number, not str", of None a TypeError; True was taken as 1. Refused, an HParamError naming
+    sumsq_total, its value and type, before the rule is asked anything; a numpy number or a 1-element tensor is
+    read as its float, inf and nan are an overflow, and an int beyond the float range is inf (as total_sumsq reads
+    a block's)."""
+    np = pytest.importorskip("numpy")
+    rule = loss_scale.grad_scaler()
+    with pytest.raises(sofx.HParamError, match=rf"^step_facts: sumsq_total = .* is invalid; expected a sum of "
+                                               rf"squares >= 0 .*got {kind}"):
+        step_facts("torch", rule, rule.init(), bad, None)
+    want = step_facts("torch", rule, rule.init(), 4.0, 1.0)
+    for same in (np.float32(4.0), torch.tensor([4.0]), 4):
+        assert step_facts("torch", rule, rule.init(), same, 1.0) == want
+    assert step_facts("torch", rule, rule.init(), 10 ** 400, 1.0) == step_facts("torch", rule, rule.init(), math.inf,
+                                                                                1.0)
+
+
 @pytest.mark.parametrize("profile", ["torch", "deepspeed"])
 def test_finite_gradients_whose_norm_is_beyond_float32_overflow_only_below_a_scale_of_1(profile: str):
     """Two gradient elements of 3e38 (finite float32; their norm 4.2e38 is not): at a scale of 1 unscaling
