@@ -316,11 +316,15 @@ def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float,
     if isinstance(total, bool) or not isinstance(total, numbers.Real) or total < 0:
         raise HParamError(f"reduce_sumsq returned {total!r}; expected the sum of squares over ranks, a number >= 0 "
                           "(inf or nan where a gradient is not finite)")
+    try:
+        total = float(total)
+    except OverflowError:  # an int beyond the float range (Python's bare OverflowError): inf, as total_sumsq reads it
+        total = math.inf
     if not math.isfinite(local) and math.isfinite(total):  # (the step taken as a clean one: nan written)
         raise HParamError(f"reduce_sumsq returned {total!r} where this rank's sum of squares is {local!r}: a sum over "
                           "ranks that holds a non-finite gradient is not finite (a MAX or nansum reduction, or a "
                           "hook that does not add this rank's sum, loses this rank's overflow)")
-    return float(total)
+    return total
 
 
 def check_reduce_sumsq(reduce_sumsq: Any) -> None:

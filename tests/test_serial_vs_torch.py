@@ -210,6 +210,17 @@ def test_step_facts_refuses_what_is_no_sum_of_squares_naming_it(bad, kind):
                                                                                 1.0)
 
 
+def test_a_reduce_sumsq_returning_an_int_beyond_the_float_range_is_an_overflow():
+    """A reduce_sumsq hook that returned an int beyond the float range (a sum over ranks kept in Python ints)
+    raised Python's bare OverflowError ("int too large to convert to float"); it is the float inf, as total_sumsq
+    reads such a block sum: the step is an overflow, skipped."""
+    opt, rule = sofx.adamw(), loss_scale.grad_scaler()
+    params, grads = {"w": torch.ones(3)}, {"w": torch.ones(3)}
+    res = serial_step(opt, params, grads, opt.init(params), scaler=rule, scaler_state=rule.init(),
+                      reduce_sumsq=lambda local: 10 ** 400)
+    assert res.facts.overflow and res.facts.sumsq == math.inf and torch.equal(res.params["w"], params["w"])
+
+
 @pytest.mark.parametrize("profile", ["torch", "deepspeed"])
 def test_finite_gradients_whose_norm_is_beyond_float32_overflow_only_below_a_scale_of_1(profile: str):
     """Two gradient elements of 3e38 (finite float32; their norm 4.2e38 is not): at a scale of 1 unscaling
