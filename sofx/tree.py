@@ -27,7 +27,7 @@ import optree
 import torch
 
 from sofx.errors import LeafError, StructureError
-from sofx.kernels.donation import MemorySpans
+from sofx.kernels.donation import MemorySpans, unwritable
 from sofx.kernels.storage import in_storage, refuse_short_storage
 
 PyTree = Any
@@ -588,7 +588,9 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     (freed or shrunk: :func:`~sofx.kernels.storage.refuse_short_storage`, a :class:`~sofx.errors.LeafError`; reading
     such a leaf crashed the process). A leaf that shares memory with ``out`` is refused as ``torch.cat(out=)`` refuses
     it (a :class:`~sofx.errors.LeafError`: read after an earlier leaf was written there, it packed that leaf's
-    values), but for one that is exactly its own place in ``out`` (:func:`unpack`'s views packed back)."""
+    values), but for one that is exactly its own place in ``out`` (:func:`unpack`'s views packed back); so is an
+    ``out`` that cannot be written in place (:func:`~sofx.kernels.donation.unwritable`: a leaf that requires grad in
+    grad mode, an inference tensor outside inference mode, which torch refused after the first leaf was written)."""
     leaves = _tensor_leaves("pack", leaves)
     if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
         raise TypeError(f"pack: out is a {type(out).__name__}, expected a 1-d tensor")
@@ -629,6 +631,9 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     if out is None:
         out = torch.empty(n, dtype=target, device=where)
     else:
+        why = unwritable("pack: out", out)  # (requires grad, inference, elements overlapping: torch's bare errors)
+        if why is not None:
+            raise LeafError(why)
         _refuse_leaves_in_out(leaves, out)
     offset = 0
     for t in leaves:

@@ -276,6 +276,24 @@ def test_pack_refuses_a_leaf_or_an_out_whose_memory_was_freed_before_writing():
         tree.pack([torch.ones(2), torch.ones(1000)], out=out)
 
 
+def test_pack_refuses_an_out_that_cannot_be_written_in_place_before_writing():
+    """An out that requires grad raised autograd's bare "a leaf Variable that requires grad is being used in an
+    in-place operation"; an inference tensor outside inference mode was written (its first leaf's elements) before
+    torch's "Inplace update to inference tensor outside InferenceMode" came; an expand()-ed out's elements share
+    memory. Refused before anything is written, a LeafError naming pack: out and what to pass instead."""
+    leaves = [torch.ones(2), torch.full((2,), 2.0)]
+    with torch.inference_mode():
+        inference = torch.zeros(4)
+    for out, why in ((torch.zeros(4, requires_grad=True), "a leaf tensor that requires grad"),
+                     (inference, "an inference tensor"),
+                     (torch.zeros(1).expand(4), "its elements overlap in memory")):
+        with pytest.raises(sofx.LeafError, match=rf"^pack: out: {why}"):
+            tree.pack(leaves, out=out)
+        assert out.eq(0).all()
+    with torch.no_grad():
+        assert tree.pack(leaves, out=torch.zeros(4, requires_grad=True)).tolist() == [1.0, 1.0, 2.0, 2.0]
+
+
 def test_unpack_refuses_a_flat_buffer_whose_memory_was_freed():
     """A flat buffer whose storage was freed (as FSDP frees a flat parameter) raised torch's bare "setStorage: ...
     out of bounds for storage of size 0" from its first view; refused, a LeafError naming it and the bytes held and
