@@ -101,19 +101,22 @@ class LossScaleRuleError(SofxError):
     and parameters, moments, step counts and the loss-scaler state are left as before it."""
 
 
-def call_rule(scaler: Any, method: str, *args: Any) -> Any:
+def call_rule(scaler: Any, method: str, *args: Any, where: str = "",
+              after: str = "the step is not taken (parameters, moments, step counts and the loss-scaler state are "
+                           "as before it)") -> Any:
     """``scaler.<method>(*args)`` for a step: an exception it raises that is not sofx's own (a refusal of the state,
     an :class:`HParamError`; DeepSpeed's :class:`MinLossScaleError`) is raised as a :class:`LossScaleRuleError`
     naming the rule, the method and the exception (its cause): a custom rule's ``ValueError`` escaped the offload
-    engine's validation as it was, with the step's speculative block steps standing."""
+    engine's validation as it was, with the step's speculative block steps standing. ``where`` starts the message
+    (the caller's name and ": "), ``after`` ends it: what the failure left (a step's default; a constructor's ``init()``
+    says that nothing is made)."""
     try:
         return getattr(scaler, method)(*args)
     except (SofxError, MinLossScaleError):
         raise
     except Exception as exc:
-        raise LossScaleRuleError(f"the loss-scale rule's {method}() ({type(scaler).__name__}) raised "
-                                 f"{type(exc).__name__}: {exc}; the step is not taken (parameters, moments, step "
-                                 "counts and the loss-scaler state are as before it)") from exc
+        raise LossScaleRuleError(f"{where}the loss-scale rule's {method}() ({type(scaler).__name__}) raised "
+                                 f"{type(exc).__name__}: {exc}; {after}") from exc
 
 
 class GradScalerState(NamedTuple):

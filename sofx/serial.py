@@ -170,13 +170,7 @@ def init_loop(opt: Adam, params: Any, scaler: LossScaler) -> LoopState:
     check_opt(opt)
     check_scaler(scaler)
     opt_state = opt.init(params)
-    try:
-        scaler_state = scaler.init()
-    except SofxError:
-        raise
-    except Exception as exc:  # (escaped bare, where the steps' call_rule names the rule)
-        raise LossScaleRuleError(f"init_loop: the loss-scale rule's init() ({type(scaler).__name__}) raised "
-                                 f"{type(exc).__name__}: {exc}; no loop state is made") from exc
+    scaler_state = call_rule(scaler, "init", where="init_loop: ", after="no loop state is made")
     return LoopState(params, opt_state, scaler_state, 0, None)
 
 

@@ -1059,6 +1059,23 @@ def test_a_loaded_scaler_state_a_custom_rule_refuses_is_refused_naming_it_and_no
         assert opt.param_groups[0]["lr"] == 1e-2 and opt.engine.scaler_state == _CountedScale(1024.0, 0)
 
 
+class _RaisingInitRule(_CountedRule):
+    def init(self):
+        raise ValueError("no initial scale configured")
+
+
+def test_a_custom_loss_scale_rule_whose_init_raises_is_named_at_construction():
+    """A custom rule's init() that raised escaped the optimizer's constructor bare (its own ValueError), where the
+    steps (call_rule) raise a LossScaleRuleError naming the rule and the method: so is it at construction (the
+    facade's check of the rule's state, and the engine's own init()), the rule's exception its cause."""
+    model, _ = _models()
+    with pytest.raises(LossScaleRuleError, match=r"^loss_scale: the loss-scale rule's init\(\) \(_RaisingInitRule\) "
+                                                 r"raised ValueError: no initial scale configured; the optimizer is "
+                                                 r"not made$") as info:
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", loss_scale=_RaisingInitRule())
+    assert isinstance(info.value.__cause__, ValueError)
+
+
 def test_a_custom_loss_scale_rule_whose_state_has_no_fields_is_refused_at_construction():
     """A custom rule whose state is a float trained, and opt.state_dict() then raised "AttributeError: 'float'
     object has no attribute '_asdict'" (under ddp each step's replica check did): the state dict saves the

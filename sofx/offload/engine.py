@@ -86,7 +86,7 @@ from sofx.kernels import select_backend
 from sofx.kernels.user_numbers import _described, as_integer, flag, is_bool, real_number
 from sofx.kernels.grad_copy import copy_with_sumsq
 from sofx.kernels.storage import in_storage, refuse_short_storage, short_storage_message, storage_shortfall
-from sofx.loss_scale import LossScaler
+from sofx.loss_scale import LossScaler, call_rule
 from sofx.offload.arena import LocalArena
 from sofx.offload.arrivals import ArrivalTracker
 from sofx.offload.backward_passes import BackwardPasses
@@ -267,7 +267,7 @@ class OffloadEngine:
         self.adam = adam.build()
         self.speculation = speculation
         self.scaler = scaler
-        self.scaler_state = scaler.init()
+        self.scaler_state = call_rule(scaler, "init", where="OffloadEngine: ", after="the engine is not made")
         self.policy_state: PolicyState = speculation.policy.init()
         self.timeout = timeout
         self.layouts = plan_blocks(groups, block_numel, n_device_blocks)

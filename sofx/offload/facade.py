@@ -169,7 +169,7 @@ from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_rang
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
-from sofx.loss_scale import deepspeed_scaler, grad_scaler, is_torch_grad_scaler, static_scale
+from sofx.loss_scale import call_rule, deepspeed_scaler, grad_scaler, is_torch_grad_scaler, static_scale
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.eager import run_eagerly
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
@@ -221,7 +221,7 @@ def _check_custom_state(rule: Any) -> None:
     ``state_dict()`` saves the loss-scaler state as its type's name and fields, and ``load_state_dict()`` remakes
     it from them (a float state trained, and ``state_dict()`` raised "'float' object has no attribute
     '_asdict'"; under ``ddp`` every step's replica check did)."""
-    state = rule.init()
+    state = call_rule(rule, "init", where="loss_scale: ", after="the optimizer is not made")
     if not (isinstance(state, tuple) and hasattr(type(state), "_fields") and callable(getattr(state, "_asdict", None))):
         raise HParamError(f"loss_scale: the rule's init() returned a {type(state).__name__}; the optimizer's "
                           "state_dict() saves the loss-scaler state's fields: expected a NamedTuple (as the states "
