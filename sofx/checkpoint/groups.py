@@ -45,7 +45,7 @@ from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import is_bool
 
 __all__ = ["ParamGroup", "resolve_groups", "prefix_ids", "hparams_tree", "one_element", "saved_hparams",
-           "check_params_template", "refuse_uninitialized", "check_float32_groups"]
+           "check_params_template", "refuse_uninitialized", "check_float32_groups", "is_saved_flag"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,12 @@ def one_element(x: Any) -> Any:
     if type(x).__module__ == "numpy" and getattr(x, "size", None) == 1 and callable(getattr(x, "reshape", None)):
         return x.reshape(-1)[0]
     return x
+
+
+def is_saved_flag(x: Any) -> bool:
+    """Whether ``x`` is a saved on/off option of a param group: a bool (Python's or numpy's) or the int 0 or 1 (a
+    string such as ``"False"`` is true to ``not``)."""
+    return is_bool(x) or (type(x) is int and x in (0, 1))
 
 
 def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError] = CheckpointError, *,

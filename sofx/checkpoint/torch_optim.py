@@ -43,7 +43,7 @@ from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import (ParamGroup, check_float32_groups, check_params_template, hparams_tree,
-                                    refuse_uninitialized, resolve_groups, saved_hparams)
+                                    is_saved_flag, refuse_uninitialized, resolve_groups, saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
 from sofx.kernels.base import as_number
@@ -203,7 +203,7 @@ def _refuse_decoupling_like(opt: Adam, like: Any, resolved: list[ParamGroup]) ->
         return
     for gi, (group, g) in enumerate(zip(found, resolved)):
         decoupled = group.get("decoupled_weight_decay") if isinstance(group, dict) else None
-        if g.hparams.weight_decay != 0 and _is_flag(decoupled) and decoupled:
+        if g.hparams.weight_decay != 0 and is_saved_flag(decoupled) and decoupled:
             raise UnsupportedError(f"to_torch_optim: like's param_groups[{gi}] has decoupled_weight_decay=True (a "
                                    "torch.optim.AdamW's, whose load_state_dict makes every group's weight decay "
                                    "decoupled): this optimizer's L2 weight decay (sofx.adam) would go on as AdamW's; "
@@ -315,7 +315,7 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
     (:func:`_other_torch_optimizer`), torch's options that change the math (:func:`sofx.adam.refused_torch_option`,
     the rule sofx.adam/adamw and the offload facade refuse by), bias correction turned off (``bias_correction``,
     ``correct_bias``: torch-style state dicts of DeepSpeed's and Hugging Face's Adam) and a
-    ``decoupled_weight_decay`` other than ``opt``'s; each of these options that is no flag (:func:`_is_flag`) is a
+    ``decoupled_weight_decay`` other than ``opt``'s; each of these options that is no flag (:func:`is_saved_flag`) is a
     :class:`CheckpointError` naming it."""
     other = _other_torch_optimizer(group)
     if other is not None:
@@ -323,7 +323,7 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
                                       "state dict (their moments and steps are another algorithm's)")
     for key in ("amsgrad", "maximize", "decoupled_weight_decay"):  # (None: not said)
         # (bool() took "False" as true; a tensor of two raised torch's bare RuntimeError)
-        if group.get(key) is not None and not _is_flag(group[key]):
+        if group.get(key) is not None and not is_saved_flag(group[key]):
             raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
                                   f"{group[key]!r:.80}")
     name = refused_torch_option(group)
@@ -333,7 +333,7 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
     for key in ("bias_correction", "correct_bias"):  # DeepSpeed's Adam, Hugging Face's AdamW (as load_zero3 refuses)
         if key not in group:
             continue
-        if not _is_flag(group[key]):
+        if not is_saved_flag(group[key]):
             raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
                                   f"{group[key]!r:.80}")
         if not group[key]:
@@ -344,13 +344,6 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
         want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
         raise UnsupportedError(f"param_groups[{gi}] has decoupled_weight_decay={bool(decoupled)}, the optimizer "
                                f"is not: use {want}")
-
-
-def _is_flag(x: Any) -> bool:
-    """Whether ``x`` is a saved on/off option: a bool (Python's or numpy's) or the int 0 or 1 (a string such as
-    ``"False"`` is true to ``not``)."""
-    numpy_bool = type(x).__module__ == "numpy" and type(x).__name__ in ("bool", "bool_")
-    return isinstance(x, bool) or numpy_bool or (type(x) is int and x in (0, 1))
 
 
 def _other_torch_optimizer(group: dict) -> str | None:

@@ -59,10 +59,9 @@ from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
 from sofx.checkpoint.atomic import atomic_write
 from sofx.checkpoint.errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
                                     CheckpointVersionError, CorruptCheckpointError, check_path, system_error)
-from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, prefix_ids, refuse_uninitialized,
-                                    resolve_groups, saved_hparams)
+from sofx.checkpoint.groups import (ParamGroup, check_params_template, hparams_tree, is_saved_flag, prefix_ids,
+                                    refuse_uninitialized, resolve_groups, saved_hparams)
 from sofx.checkpoint.io import template_device
-from sofx.checkpoint.torch_optim import _is_flag
 from sofx.errors import HParamError, UnsupportedError
 from sofx.kernels.base import as_number
 from sofx.kernels.storage import in_storage, refuse_short_storage
@@ -896,7 +895,7 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                                          "one")
         gi = next(i for i, group in enumerate(saved_groups) if group is saved)
         for key in _FLAG_KEYS:  # (bool() took "False" as true; a tensor of two raised torch's bare RuntimeError)
-            if saved.get(key) is not None and not _is_flag(saved[key]):
+            if saved.get(key) is not None and not is_saved_flag(saved[key]):
                 raise CorruptCheckpointError(f"{where}: param_groups[{gi}]['{key}']: expected True or False, got "
                                              f"{saved[key]!r:.80}")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
