@@ -31,7 +31,7 @@ When block ``i``'s gradient is final (hooks fire in reverse layer order)::
     if d.speculate:                                          # run it in a worker, donating buffers
         try:
             p_i, state_i, record_i = speculative_block_step(opt, p_i, grad_i, state_i, d, donate=True,
-                                                            held_bytes=held)
+                                                            held_bytes=held, ctx=ctx)
             held += record_i.snapshot_bytes()
             tally = on_speculation_held(ctx, tally, i, record_i.snapshot_bytes())  # the budget left, for the next
         except SnapshotLimitError as exc:                    # taken back: beyond the snapshot budget

@@ -3054,6 +3054,34 @@ def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps
         sp.plan_validation(ctx, mixed, [sp.grad_sumsq(grad)])
 
 
+def test_speculative_block_step_given_this_steps_context_refuses_a_decision_of_an_earlier_step(rng):
+    """A decision of an earlier step never used in its own step (an engine that kept it) was taken by
+    speculative_block_step, which wrote its step (the earlier step's lr) in place; only apply_block_action refused its
+    record later. Given the step's context (ctx=), the call refuses it, naming both steps' context ids, before
+    anything is written; this step's decision passes (and one made by hand, context_id 0, is not checked)."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng) * S16
+    state = opt.init(param)
+    el = sp.Eligibility(True, "algebraic", "", 0)
+    ctx1, tally1 = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    _, old = sp.on_block_ready(ctx1, tally1, 0, sp.grad_sumsq(grad), el)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    _, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), el)
+    p = param.clone()
+    with pytest.raises(sofx.SofxError, match=rf"^speculative_block_step: block 0: the decision is of another step "
+                                             rf"\(context_id {ctx1.context_id}\) than ctx's \(context_id "
+                                             rf"{ctx.context_id}\).*Nothing was written"):
+        sp.speculative_block_step(opt, p, grad, state, old, donate=True, ctx=ctx)
+    assert torch.equal(p, param) and int(state.count) == 0 and not old.used_cell()[0]
+    p1, s1, _ = sp.speculative_block_step(opt, p, grad, state, decision, donate=True, ctx=ctx)
+    assert int(s1.count) == 1
+    by_hand = sp.BlockDecision(0, True, "speculate", "", decision.hparams, decision.grad_scale)
+    assert int(sp.speculative_block_step(opt, param.clone(), grad, state, by_hand, ctx=ctx)[1].count) == 1
+    with pytest.raises(sofx.SofxError, match=r"^speculative_block_step: ctx is a dict; expected the StepContext"):
+        sp.speculative_block_step(opt, param.clone(), grad, state, old, ctx={})
+
+
 def test_apply_block_action_refuses_a_blocks_record_with_another_blocks_tensors(rng):
     """The record and action of block i given with the tensors of block j of the same shape (tensors listed in
     arrival order, records in block order): block 1's undo_redo undid block 1's step on block 0's values (block 0's

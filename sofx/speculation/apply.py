@@ -25,7 +25,7 @@ from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import SofxError, UnsupportedError
 from sofx.kernels.user_numbers import integer
 from sofx.serial import check_opt
-from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility
+from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility, StepContext
 from sofx.transforms import sumsq
 from sofx.undo_record import UndoRecord, strategy_snapshot_bytes
 
@@ -68,7 +68,8 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
 
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
                            decision: BlockDecision, *, donate: bool = False, grads_finite: bool | None = None,
-                           param_copies: Any = None, held_bytes: int = 0) -> tuple[torch.Tensor, AdamState, UndoRecord]:
+                           param_copies: Any = None, held_bytes: int = 0,
+                           ctx: StepContext | None = None) -> tuple[torch.Tensor, AdamState, UndoRecord]:
     """The speculative step: ``opt.update`` with the decision's hparams and ``grad_scale = 1/S_assumed`` (the
     context's multiplier: GradScaler's ``float32(1/S)`` under ``"torch"``).
 
@@ -82,7 +83,10 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     :func:`~sofx.speculation.decisions.on_speculation_refused`, and the block is
     stepped in validation.
     A decision whose speculative step was taken already (by this call or with a copy of it) is refused, nothing
-    written (:class:`~sofx.speculation.decisions.BlockDecision`).
+    written (:class:`~sofx.speculation.decisions.BlockDecision`). ``ctx``: the step's context (:func:`begin_step`'s);
+    given, a decision of another step (its ``context_id`` another, not ``0``: kept from an earlier step, never used
+    there) is refused, naming both steps, nothing written (without it such a step is taken, and only
+    :func:`apply_block_action` refuses its record, the block stepped with the earlier step's hparams meanwhile).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint -- pass ``True`` when the
     decision's sum of squares was taken on these very gradient values (it was
     finite, or the block would not have been speculated). ``param_copies``: :meth:`sofx.Adam.update`'s
@@ -94,6 +98,16 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
                         "on_block_ready returned for the block")
     if not decision.speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
+    if ctx is not None:
+        if not isinstance(ctx, StepContext):
+            raise SofxError(f"speculative_block_step: ctx is a {type(ctx).__name__}; expected the StepContext "
+                            "begin_step made for this step (ctx, tally = begin_step(...)), or None")
+        made = decision.context_id
+        if made and made != ctx.context_id:
+            raise SofxError(f"speculative_block_step: block {decision.block}: the decision is of another step "
+                            f"(context_id {made}) than ctx's (context_id {ctx.context_id}): a decision kept from an "
+                            "earlier step, whose hparams and multiplier this step's validation does not check; use "
+                            "the one on_block_ready returned this step. Nothing was written")
     used = decision.used_cell()
     if used[0]:
         raise SofxError(f"speculative_block_step: block {decision.block}: its decision was used already for a "

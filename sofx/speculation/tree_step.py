@@ -270,7 +270,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                 try:
                     new_p[i], block_states[i], records[i] = speculative_block_step(
                         opt, new_p[i], g, block_states[i], decision, donate=donate, grads_finite=True,
-                        held_bytes=held)
+                        held_bytes=held, ctx=ctx)
                 except SnapshotLimitError as exc:  # taken back: its snapshot would go beyond the budget
                     tally = on_speculation_refused(ctx, tally, i, str(exc))
                     continue
