@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import re
 
 import numpy as np
@@ -2929,7 +2930,8 @@ def test_the_actions_of_a_step_validated_twice_are_applied_once_per_block(rng):
 
 def test_a_pickled_copy_of_an_action_carries_whether_it_was_applied_when_pickled(rng):
     """BlockAction's docstring: a pickled copy (the process executor's worker gets one) carries the applied marker as
-    it was when pickled, and is its own from then on (nothing in memory ties it to the original)."""
+    it was when pickled, and is its own from then on in another process (in the one that pickled it, it is refused:
+    test_a_pickled_copy_of_an_action_or_decision_is_refused_in_the_process_that_pickled_it)."""
     import pickle
 
     opt = sofx.adamw(lr=1e-2)
@@ -2942,6 +2944,43 @@ def test_a_pickled_copy_of_an_action_carries_whether_it_was_applied_when_pickled
     with pytest.raises(sofx.SofxError, match=r"plan\.actions\[0\] \(step\) was applied already"):
         sp.apply_block_action(opt, after, p1, grad, s1, donate=True)
     assert not before.applied_cell()[0] and int(s1.count) == 1
+
+
+def test_a_pickled_copy_of_an_action_or_decision_is_refused_in_the_process_that_pickled_it(rng, monkeypatch):
+    """A pickled copy of a BlockAction made before the original was applied carried a fresh marker of its own: applied
+    after the original in the same process (a plan pickled to a log, a queue in-process), it stepped the block a
+    second time without a word (count 2); so did a pickled copy of a BlockDecision with its speculative step. Such a
+    copy is refused in the process that pickled it, naming the block, nothing written; in another process (the
+    process executor's worker) it is the one applied there."""
+    import pickle
+
+    from sofx.speculation import decisions
+
+    opt = sofx.adamw(lr=1e-2)
+    rule, param, grad, state, decision, plan = _one_speculated_block_not_taken(opt, rng)
+    (action,) = plan.actions
+    copied = pickle.loads(pickle.dumps(action))
+    p1, s1 = sp.apply_block_action(opt, action, param.clone(), grad, state, donate=True)
+    stepped = p1.clone()
+    with pytest.raises(sofx.SofxError, match=r"^apply_block_action: block 0: plan\.actions\[0\] \(step\) is a "
+                                             r"pickled copy, loaded in the process that pickled it"):
+        sp.apply_block_action(opt, copied, p1, grad, s1, donate=True)
+    assert torch.equal(p1, stepped) and int(s1.count) == 1
+    again = pickle.loads(pickle.dumps(copied))  # (and a copy of the copy, pickled again here)
+    with pytest.raises(sofx.SofxError, match=r"is a pickled copy, loaded in the process that pickled it"):
+        sp.apply_block_action(opt, again, p1, grad, s1, donate=True)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    _, d = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    d_copy = pickle.loads(pickle.dumps(d))
+    assert d_copy == d and copy.copy(d_copy).used_cell() is d_copy.used_cell()
+    with pytest.raises(sofx.SofxError, match=r"^speculative_block_step: block 0: the decision is a pickled copy, "
+                                             r"loaded in the process that pickled it.*Nothing was written"):
+        sp.speculative_block_step(opt, p1, grad, s1, d_copy, donate=True)
+    assert torch.equal(p1, stepped) and int(s1.count) == 1
+    assert copy.copy(action).applied_cell() is action.applied_cell()  # (copy.copy shares the marker, as before)
+    pid = os.getpid()
+    monkeypatch.setattr(decisions.os, "getpid", lambda: pid + 1)  # (as the worker process loads it)
+    assert int(sp.speculative_block_step(opt, param.clone(), grad, state, d_copy)[1].count) == 1
 
 
 def test_the_protocols_per_block_flags_take_bool_tensors_and_arrays_as_taken_does():

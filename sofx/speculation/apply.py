@@ -83,7 +83,8 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     :func:`~sofx.speculation.decisions.on_speculation_refused`, and the block is
     stepped in validation.
     A decision whose speculative step was taken already (by this call or with a copy of it) is refused, nothing
-    written (:class:`~sofx.speculation.decisions.BlockDecision`). ``ctx``: the step's context (:func:`begin_step`'s);
+    written (:class:`~sofx.speculation.decisions.BlockDecision`), and so is a pickled copy loaded in the process that
+    pickled it. ``ctx``: the step's context (:func:`begin_step`'s);
     given, a decision of another step (its ``context_id`` another, not ``0``: kept from an earlier step, never used
     there) is refused, naming both steps, nothing written (without it such a step is taken, and only
     :func:`apply_block_action` refuses its record, the block stepped with the earlier step's hparams meanwhile).
@@ -114,6 +115,10 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
                         "speculative step (of its own step: a decision kept from an earlier step, or a retry): a "
                         "decision is one speculative step of one step; use the one on_block_ready returned this "
                         "step. Nothing was written")
+    if decision.pickled_here():
+        raise SofxError(f"speculative_block_step: block {decision.block}: the decision is a pickled copy, loaded in "
+                        "the process that pickled it: it shares no marker with the original (whose step it would "
+                        "take again); use the decision on_block_ready returned. Nothing was written")
     if not (type(held_bytes) is int and held_bytes >= 0):  # (the common case first: the engine's count)
         # a Python int >= 0 (a str or None raised Python's bare TypeError where a budget is set, a float an error
         # naming snapshot_limit_bytes, which the caller did not pass, and a negative count raised the limit past it)
@@ -176,7 +181,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
     parameters (not by ``commit`` and ``skip``). An action that writes is applied once: a second
-    application (of it or a copy, ``action._replace(...)``) is refused, naming the block, nothing written.
+    application (of it or a copy, ``action._replace(...)``) is refused, naming the block, nothing written; so is a
+    pickled copy loaded in the process that pickled it (it shares no marker with the original).
     """
     check_opt(opt)
     if not isinstance(action, BlockAction):
@@ -224,6 +230,11 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
         raise SofxError(f"apply_block_action: block {action.block}: plan.actions[{action.block}] ({kind}) was applied "
                         "already: an action carries its block's step out once (one step per block per step); a "
                         "second application would step the block again. Nothing was written")
+    if action.pickled_here():
+        raise SofxError(f"apply_block_action: block {action.block}: plan.actions[{action.block}] ({kind}) is a pickled "
+                        "copy, loaded in the process that pickled it: it shares no marker with the original (applied, "
+                        "or to be applied: the block would be stepped twice); apply the plan's own action. Nothing "
+                        "was written")
     new_param, new_state = _apply(opt, action, kind, param, grad, state, record, donate, grads_finite, param_copies)
     applied[0] = True
     return new_param, new_state

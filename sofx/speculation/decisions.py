@@ -207,10 +207,36 @@ class _OnceOfStep(_OfStep):
     with it (in its ``__dict__`` under ``_CELL``, not one of its fields, so that they compare by their fields), made
     with it (torch.compile guards a cell it finds, not one made while it traces the first application, whose
     compiled code then applied the action again) and shared with its copies (``_replace``, ``copy.copy``,
-    ``copy.deepcopy``: a deep copy carried out after the original would step its block again)."""
+    ``copy.deepcopy``: a deep copy carried out after the original would step its block again).
+
+    A pickled copy cannot share the cell: it notes the process that pickled it first (``_PICKLED_IN``, the id of the
+    process where the original lives), and :meth:`pickled_here` tells the functions that carry it out to refuse it
+    there (carried out after the original, it stepped its block again); in another process (the offload engine's
+    worker) it is the one carried out."""
 
     __slots__ = ()
     _CELL = ""  # the subclass's key of the cell in __dict__
+    _PICKLED_IN = "_pickled_in"
+
+    def __getstate__(self) -> dict[str, Any]:
+        # (pickle's state: the cell as it is now, and the first pickling process, kept through copies of copies)
+        self._once_cell()
+        state = dict(self.__dict__)  # type: ignore[attr-defined]
+        state.setdefault(self._PICKLED_IN, os.getpid())
+        return state
+
+    def __copy__(self) -> Any:
+        # (copy.copy shares the cell, as before __getstate__ marked what pickle and copy.copy's reduction make)
+        self._once_cell()
+        new = type(self).__new__(type(self), *tuple(self))  # type: ignore[arg-type]
+        new.__dict__.update(self.__dict__)  # type: ignore[attr-defined]
+        return new
+
+    def pickled_here(self) -> bool:
+        """Whether this is a pickled copy loaded in the process that pickled it (where the original it shares no
+        marker with lives): refused where it would be carried out."""
+        pickled_in = self.__dict__.get(self._PICKLED_IN)  # type: ignore[attr-defined]
+        return pickled_in is not None and pickled_in == os.getpid()  # (no getpid traced where not: torch.compile)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         new = super().__new__(cls, *args, **kwargs)  # type: ignore[call-arg]
@@ -271,7 +297,9 @@ class BlockDecision(_OnceOfStep, _BlockDecisionFields):
     (not one of its fields), shared with its copies (``_replace``, ``copy.copy``, ``copy.deepcopy``), and
     :func:`~sofx.speculation.apply.speculative_block_step` refuses a second one (a decision kept from an earlier
     step, a retry), before anything is written. A pickled copy (the offload engine's process executor sends the
-    decision to its worker) carries whether the step was taken when it was pickled, and is its own from then on.
+    decision to its worker) carries whether the step was taken when it was pickled, and is its own from then on in
+    another process; in the process that pickled it (where the original lives, sharing nothing with it) it is
+    refused.
     """
 
     # (no __slots__: each decision's __dict__ holds its step's "_context_id" and its "_used" cell, a one-element
@@ -336,7 +364,9 @@ class BlockAction(_OnceOfStep, _BlockActionFields):
     first's). A pickled copy (the offload engine's process executor sends the action to its worker) carries whether
     the action was applied when it was pickled, and is its own from then on: nothing ties it to the original in
     another process, so the action is applied where it was sent, and the original is not (an ``undo`` or
-    ``undo_redo`` is guarded by its record too, which cannot be pickled; a ``step`` is not).
+    ``undo_redo`` is guarded by its record too, which cannot be pickled; a ``step`` is not). In the process that
+    pickled it, where the original lives, a copy that writes is refused (applied after the original, it stepped the
+    block again).
     """
 
     # (no __slots__: each action's __dict__ holds its "_applied" cell, a one-element list shared with its copies,
