@@ -262,6 +262,34 @@ def test_a_step_whose_blocks_are_all_kept_on_the_device_reports_why_none_was_spe
     assert report.speculated == 1 and report.speculating and report.not_speculating_reason == "", report
 
 
+def test_the_action_of_a_block_kept_on_the_device_says_why_it_was_not_speculated() -> None:
+    """A block kept on the device (n_device_blocks) was ready during backward and held from speculating; its
+    validation action's reason said "the block was not reported ready during backward" (the report said why it was
+    held). The action says why: kept on the device; a CPU block's action is as before."""
+    model, _ = _models()
+    seen: dict[int, str] = {}
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=100,
+                                       n_device_blocks=1, loss_scale=None) as opt:
+        runner, executor = opt.engine.device_runner, opt.engine.executor
+        for target in (runner, executor):
+            method = target.run if target is runner else target.submit
+
+            def noted(op, method=method):
+                if op.kind == "apply":
+                    seen[op.block] = op.payload.reason
+                return method(op)
+
+            if target is runner:
+                target.run = noted
+            else:
+                target.submit = noted
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(0))))
+        report = opt.step()
+    assert report.actions[0] == "step" and report.speculated >= 1
+    assert seen[0].startswith("kept on the device (n_device_blocks)"), seen
+    assert all("not reported ready" not in why for why in seen.values()), seen
+
+
 # ---------------------------------------------------------------- event order
 def test_speculation_happens_during_backward() -> None:
     model, _ = _models()

@@ -1018,6 +1018,17 @@ class OffloadEngine:
         return dataclasses.replace(report, speculating=False,
                                    not_speculating_reason=f"{what} was held from speculating: {why}")
 
+    def _held_reasons(self, plan: ValidationPlan) -> ValidationPlan:
+        """``plan``, the step action of each block held from speculating (:meth:`_held_from_speculating`) saying why
+        it was held: validation, which never saw the block ready, said "the block was not reported ready during
+        backward"."""
+        if not self._held:
+            return plan
+        actions = tuple(a._replace(reason=self._held[a.block])  # (a copy shares the action's applied marker)
+                        if a.kind == "step" and a.block in self._held and self._tally.decisions[a.block] is None
+                        else a for a in plan.actions)
+        return plan._replace(actions=actions)
+
     def _decide_in_turn(self, ticket: int, *args: Any) -> Any:
         """:meth:`_decide` after the decisions of every block that was ready before (the worker and a
         helping ``step()`` may run "ready" operations at the same time; decisions stay in arrival order)."""
@@ -1390,8 +1401,8 @@ class OffloadEngine:
         # stepped: a block with a parameter the step steps (_stepped: no frozen one is stepped with zeros under
         # missing_grad="zero"); the hparams of the others are not read
         stepped = [any(present) for present in presents]
-        plan = plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams(),
-                               taken=list(self._speculated), stepped=stepped)
+        plan = self._held_reasons(plan_validation(self._ctx, self._tally, sumsq, hparams=self.block_hparams(),
+                                                  taken=list(self._speculated), stepped=stepped))
         _check_float32_hparams(plan.actions, stepped)  # (before anything is applied)
         self._check_stepped_counts(plan.actions, presents)
         self._snapshot_needs.after_step(self._tally.decisions, self._refused_bytes, self._planned_bytes)
