@@ -360,3 +360,28 @@ def test_the_offload_facade_resumed_from_a_checkpoint_at_a_large_count_is_the_un
             opt.zero_grad()
         assert [int(opt.state[p]["step"]) for p in model.parameters()] == [2 ** 24 + 4] * 4
     assert all(torch.equal(a, b.detach()) for a, b in zip(whole, model.parameters()))
+
+
+def test_the_offload_report_of_an_overflow_step_counts_no_block_at_int64_max_as_ineligible():
+    """A block whose count is int64's largest is not speculated (its step is refused in step()); on a step that
+    overflows (skipped: no block stepped, a report returned) the report counted it ``ineligible``, which says its
+    step could not be undone within the snapshot budget. It is held from speculating, as a block kept on the device:
+    not counted ineligible, no "ready" event (a step that is not skipped refuses it, naming the count)."""
+    import sofx.offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor="inline", block_numel=40) as opt:
+        layouts = opt.engine.layouts
+        assert len(layouts) == 2
+        last = list(model.parameters())[-1]  # (block 1: ready first in backward)
+        opt.backward(model(torch.randn(2, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+        opt.state[last]["step"] = INT64_MAX
+        model[0].weight.register_hook(lambda g: g * float("inf"))  # (block 0, ready last: the step overflows)
+        opt.backward(model(torch.randn(2, 4)).square().mean())
+        report = opt.step()
+    assert report.overflow and report.skipped and report.actions == ("skip", "skip")
+    assert report.ineligible == 0 and ("ready", 1) not in report.events, report
+    assert int(opt.state[last]["step"]) == INT64_MAX

@@ -967,7 +967,7 @@ class OffloadEngine:
         present = self._stepped(b, arrived)
         if not during_backward:
             return  # stepped in step(), not speculated (its sum of squares is taken there)
-        held = self._held_from_speculating(b)
+        held = self._held_from_speculating(b, present)
         if held:
             self._held[b] = held  # (likewise; the report says why, where no block of the step was speculated)
             return
@@ -990,12 +990,18 @@ class OffloadEngine:
             self._mark_speculated(b, publish)  # after the submission (an interrupt between would leave a
             # block marked whose step was never sent, and zero_grad() would ask the worker to undo it)
 
-    def _held_from_speculating(self, b: int) -> str:
+    def _held_from_speculating(self, b: int, present: Sequence[bool]) -> str:
         """Why block ``b``, ready during backward, is not offered for speculation (stepped in ``step()``), else "":
-        it is kept on the device, or under ``ddp`` the ranks have not decided yet whether to compare their states
-        (no synchronized backward yet), compare them now, or found them different (``step()`` raises)."""
+        it is kept on the device, a parameter it steps (``present``) has a count at int64's largest (``step()``
+        refuses its step, :meth:`_check_stepped_counts`: not "ineligible", which says its step could not be undone),
+        or under ``ddp`` the ranks have not decided yet whether to compare their states (no synchronized backward
+        yet), compare them now, or found them different (``step()`` raises)."""
         if self.layouts[b].on_device:
             return "kept on the device (n_device_blocks): a block there is stepped in step(), not speculated"
+        full = self._count_at_max(b, self.tensors[b].counts.tolist(), present)
+        if full is not None:
+            return (f"{full}: its step count is at int64's largest, {COUNT_MAX}: the next step's count cannot be "
+                    "stored, and step() refuses the step")
         watch = self._replicas
         if watch is None or not watch.holds_speculation:
             return ""
@@ -1099,11 +1105,8 @@ class OffloadEngine:
         """
         ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
         hp = ctx.hparams[b]
-        counts = t.counts.tolist()
-        full = self._count_at_max(b, counts, present)
-        if full is not None:  # (its step is refused: validation names it, before anything is stepped)
-            return Eligibility(False, None, f"{full}: the step's count cannot be stored", 0)
-        try:  # (likewise)
+        counts = t.counts.tolist()  # (none at int64's largest: such a block is held, _held_from_speculating)
+        try:  # (its step is refused: validation names it, before anything is stepped)
             self._check_step_sizes(b, counts, present, hp)
         except HParamError as exc:
             return Eligibility(False, None, str(exc), 0)
@@ -1441,7 +1444,7 @@ class OffloadEngine:
         largest (it would wrap to -2^63), an :class:`~sofx.errors.HParamError` where the step's size ``lr / (1 -
         beta1**t)`` is beyond float32 (:meth:`_check_step_sizes`); each naming the parameter. The block's step raised
         in the executor, the blocks before it stepped, and the engine stopped for good. Such a block is never
-        speculated (:meth:`_eligibility`); an undo+redo redoes a speculative step at the count it reached (that count
+        speculated (held, :meth:`_held_from_speculating`; ineligible, :meth:`_eligibility`); an undo+redo redoes a speculative step at the count it reached (that count
         may be the largest)."""
         for action in actions:
             if action.kind not in ("step", "undo_redo"):

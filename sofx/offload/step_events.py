@@ -17,7 +17,8 @@ class EngineStepReport(StepReport):
     (``block = -1`` for step-wide events): ``"ready"`` (a block's gradient was
     final during backward and the block was offered for speculation: not one
     kept on the device, nor one held under ``ddp`` before the ranks' exchange,
-    see ``not_speculating_reason``), ``"speculate"`` (its speculative step was
+    see ``not_speculating_reason``, nor one with a step count at int64's
+    largest, whose step ``step()`` refuses), ``"speculate"`` (its speculative step was
     submitted), ``"speculated"`` (the executor reported it done; ``"speculate_failed"``:
     it raised, which ``step()`` raises), or
     ``"refused"`` (the step was taken back as it ran: its snapshot would have
