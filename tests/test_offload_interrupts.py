@@ -501,3 +501,46 @@ def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_clos
         assert model[0].weight.grad is not None, "no hook takes the gradients"
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_second_ctrl_c_before_a_deferred_close_is_carried_out_at_the_next_call(monkeypatch):
+    """A close() called inside step() on its thread (a signal handler's) is deferred to the end of step(); a second
+    Ctrl-C in step()'s guard before that close (the first still held back) dropped it: the optimizer stayed open,
+    its worker running and the gate installed, and the next calls were told the engine "failed earlier" (close() it).
+    The close asked for is carried out at the next call, which is refused as closed, saying so."""
+    import signal
+
+    import torch
+
+    import sofx.offload
+    from sofx.errors import SofxError
+    from sofx.offload import engine
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
+        opt.backward(model(torch.randn(4, 8)).square().mean())
+        original = engine.OffloadEngine._publish_to_model
+
+        def closed_inside(self, *args, **kwargs):  # (a signal handler's close(), inside step())
+            monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", original)
+            opt.close()
+            return original(self, *args, **kwargs)
+
+        monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", closed_inside)
+        _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
+        with pytest.raises(KeyboardInterrupt):
+            opt.step()
+        with pytest.raises(SofxError, match=r"^the optimizer is closed \(the close\(\) called inside step\(\) on "
+                                            r"its thread.*a second Ctrl-C broke into it there, and this call did"):
+            opt.zero_grad()
+        with pytest.raises(SofxError, match=r"^the optimizer is closed$"):
+            opt.step()
+        assert opt.engine._closed and opt.engine.executor._ended.wait(30), "the worker thread stopped"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
+        model(torch.randn(2, 8)).sum().backward()
+        assert model[0].weight.grad is not None, "no hook takes the gradients"
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -302,7 +302,10 @@ class OffloadEngine:
         self._hook_owner: int | None = None
         self._call_what: str | None = None  # the call holding _call_lock (for the exit's warning)
         self._closing = False  # close() waits for another thread's call or hook to end
-        self._close_pending = False
+        # The call a close() was called inside on its thread (a signal handler's), deferred to that call's end; ""
+        # none. One a second Ctrl-C kept from being carried out there is carried out by the next call
+        # (_deferred_close_dropped).
+        self._close_pending = ""
         self._turn_cond = threading.Condition()  # orders the decisions taken in the executor
         self._tickets = self._turn = 0
 
@@ -1220,6 +1223,11 @@ class OffloadEngine:
                 "this process, or use the \"spawn\" start method")
 
     def _check_usable(self) -> None:
+        dropped = self._deferred_close_dropped()
+        if dropped:
+            raise SofxError(f"the optimizer is closed (the close() called inside {dropped} on its thread, a signal "
+                            "handler's, was to be done as that call ended; a second Ctrl-C broke into it there, "
+                            "and this call did the close)")
         if self._closed:
             raise SofxError("the optimizer is closed")
         forked = self._forked_message()
@@ -2011,11 +2019,14 @@ class OffloadEngine:
         ``load_state_dict()``, ``opt.state``, ``reload_params()``) or gradient hook running in another thread is
         waited for (it completes whole; such calls made meanwhile are refused). Called inside one of them
         on the same thread -- a signal handler, which Python runs in the main thread between any two bytecodes,
-        also inside ``step()`` -- it cannot wait for it: the close is done as that call ends."""
+        also inside ``step()`` -- it cannot wait for it: the close is done as that call ends (where a second Ctrl-C
+        breaks into that call as it ends, before the close, the next call does it, and is refused as closed)."""
         if self._closed and not self._close_unfinished:
             return
-        if threading.get_ident() in (self._call_owner, self._hook_owner):
-            self._close_pending = True
+        me = threading.get_ident()
+        if me in (self._call_owner, self._hook_owner):
+            inside = self._call_what if me == self._call_owner else None
+            self._close_pending = inside or "a gradient hook (during backward)"
             return
         with self._interrupts:
             self._closing = True
@@ -2062,6 +2073,17 @@ class OffloadEngine:
             if hook:
                 self._hook_lock.release()
             self._closing = False
+
+    def _deferred_close_dropped(self) -> str:
+        """Carry out a deferred :meth:`close` that the call it was deferred to did not (a second Ctrl-C broke into
+        that call's end, before the close: the optimizer stayed open, its executor running, and the next call went
+        on, or was told the engine failed and to close it); returns the call it was deferred to, else "". Nothing is
+        done while a call or gradient hook holds the engine (one in another thread does the close as it ends)."""
+        inside = self._close_pending
+        if not inside or self._closed or self._call_owner is not None or self._hook_owner is not None:
+            return ""
+        self.close()
+        return inside
 
     def _close_if_free(self) -> None:
         """Carry out a deferred :meth:`close` at the end of a gradient hook's section (the hook lock held), unless a
