@@ -3093,6 +3093,29 @@ def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps
         sp.plan_validation(ctx, mixed, [sp.grad_sumsq(grad)])
 
 
+def test_speculative_block_step_without_a_gradient_is_refused_before_the_decision_is_used(rng):
+    """A speculative step given ``grad=None`` (or a tree of Nones: no gradient at all) took no step -- Adam leaves a
+    leaf without gradient as it is -- yet used the decision and returned a record: validation then committed a step
+    that never happened (count 0, the report saying committed). It is refused naming the block, nothing written, the
+    decision still usable; a tree block with a gradient for some of its leaves is stepped as before."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    tally, d = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    for none in (None, [None]):
+        p = [param.clone()] if isinstance(none, list) else param.clone()
+        s = opt.init(p)
+        with pytest.raises(sofx.SofxError, match=r"^speculative_block_step: block 0: grad has no gradient \(no "
+                                                 r"tensor in it: .*Nothing was written"):
+            sp.speculative_block_step(opt, p, none, s, d)
+    assert not d.used_cell()[0]
+    pair, pair_grads = [param.clone(), param.clone()], [grad, None]
+    _, s1, _ = sp.speculative_block_step(opt, pair, pair_grads, opt.init(pair), d)
+    assert [int(c) for c in s1.count] == [1, 0]
+
+
 def test_speculative_block_step_given_this_steps_context_refuses_a_decision_of_an_earlier_step(rng):
     """A decision of an earlier step never used in its own step (an engine that kept it) was taken by
     speculative_block_step, which wrote its step (the earlier step's lr) in place; only apply_block_action refused its

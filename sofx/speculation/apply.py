@@ -74,7 +74,8 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     context's multiplier: GradScaler's ``float32(1/S)`` under ``"torch"``).
 
     Returns ``(param, state, record)``; keep ``record`` (and do not modify
-    ``grad`` in place) until validation has applied this block's action.
+    ``grad`` in place) until validation has applied this block's action. A ``grad`` without any tensor (``None``)
+    is refused: the step would take nothing, and validation commit it.
     ``held_bytes``: the snapshot memory the speculative steps of this step
     hold already (their records' ``snapshot_bytes()``). With a snapshot budget
     the record may hold what is left of it: a step that would keep more raises
@@ -109,6 +110,11 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
                             f"(context_id {made}) than ctx's (context_id {ctx.context_id}): a decision kept from an "
                             "earlier step, whose hparams and multiplier this step's validation does not check; use "
                             "the one on_block_ready returned this step. Nothing was written")
+    if not tree.leaves(grad):
+        # (Adam leaves a leaf without gradient as it is: the step took nothing, and validation committed it)
+        raise SofxError(f"speculative_block_step: block {decision.block}: grad has no gradient (no tensor in it: "
+                        f"{type(grad).__name__}); the decision was made from the block's gradient (its sum of "
+                        "squares): pass that gradient. Nothing was written")
     used = decision.used_cell()
     if used[0]:
         raise SofxError(f"speculative_block_step: block {decision.block}: its decision was used already for a "
