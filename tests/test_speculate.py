@@ -3093,6 +3093,24 @@ def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps
         sp.plan_validation(ctx, mixed, [sp.grad_sumsq(grad)])
 
 
+def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
+    """A block may be a pytree (speculative_step's leaves, the offload engine's per-parameter lists): a ``step``
+    action with ``zero_grad`` (missing_grad="zero") raised torch's bare TypeError ("zeros_like(): argument 'input'
+    must be Tensor, not list") for a list block, the action unapplied. Each leaf is stepped with zeros, as a
+    tensor block is."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    pair = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
+    state = opt.init(pair)
+    ctx, _ = sp.begin_step(opt, sp.SpeculationConfig(missing_grad="zero"), rule, rule.init(), n_blocks=1)
+    (action,) = sp.plan_validation(ctx, _, [None]).actions
+    assert action.kind == "step" and action.zero_grad
+    p1, s1 = sp.apply_block_action(opt, action, pair, None, state)
+    want, w_state, _ = opt.update(pair, [torch.zeros(4), torch.zeros(3)], state, action.hparams,
+                                  grad_scale=action.grad_scale)
+    assert all(torch.equal(a, b) for a, b in zip(p1, want)) and [int(c) for c in s1.count] == [1, 1]
+
+
 def test_speculative_block_step_without_a_gradient_is_refused_before_the_decision_is_used(rng):
     """A speculative step given ``grad=None`` (or a tree of Nones: no gradient at all) took no step -- Adam leaves a
     leaf without gradient as it is -- yet used the decision and returned a record: validation then committed a step

@@ -263,8 +263,9 @@ def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad:
                                                 undoable=False)
         return new_param, new_state
     if kind == "step":
-        if action.zero_grad:
-            grad, grads_finite = torch.zeros_like(param), True
+        if action.zero_grad:  # (each leaf of a tree block; what is no tensor is left for update to refuse)
+            grad = tree.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, param)
+            grads_finite = True
         elif grad is None:
             raise SofxError(f"block {action.block}: step needs the block's final gradient")
         new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
