@@ -3093,6 +3093,21 @@ def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps
         sp.plan_validation(ctx, mixed, [sp.grad_sumsq(grad)])
 
 
+def test_block_eligibility_refuses_a_bad_grads_finite_rather_than_call_the_block_ineligible(rng):
+    """block_eligibility says bad inputs raise as Adam.update would; a ``grads_finite`` it refuses ("no", a number)
+    came back as an Eligibility(False, reason="grads_finite = 'no' is invalid ..."): the caller's own argument
+    reported as the block's undo strategy, the block stepped late without a raise. It raises, naming it; a numpy or
+    0-d tensor bool is read as before."""
+    opt = sofx.adamw(lr=1e-2)
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    for bad in ("no", 1.0):
+        with pytest.raises(sofx.UnsupportedError, match=r"^grads_finite = .* is invalid"):
+            sp.block_eligibility(opt, param, grad, state, sofx.AdamHParams(), 1.0, grads_finite=bad)
+    for good in (np.bool_(True), torch.tensor(True), None):
+        assert sp.block_eligibility(opt, param, grad, state, sofx.AdamHParams(), 1.0, grads_finite=good).eligible
+
+
 def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
     """A block may be a pytree (speculative_step's leaves, the offload engine's per-parameter lists): a ``step``
     action with ``zero_grad`` (missing_grad="zero") raised torch's bare TypeError ("zeros_like(): argument 'input'

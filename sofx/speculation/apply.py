@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState
+from sofx.adam import Adam, AdamHParams, AdamState, validate_grads_finite
 from sofx.errors import SofxError, UnsupportedError
 from sofx.kernels.user_numbers import integer
 from sofx.serial import check_opt
@@ -54,6 +54,9 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
     ``grad`` is finite, e.g. from its sum of squares: it is not read again).
     """
     check_opt(opt)
+    # (the caller's own argument, read first: refused inside the strategies' planning, it came back as the block's
+    # Eligibility(False, reason="grads_finite = 'no' is invalid ..."), the block stepped late without a raise)
+    grads_finite = validate_grads_finite(grads_finite)
     try:
         (plan,) = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale, grads_finite=grads_finite)
     except UnsupportedError as exc:
