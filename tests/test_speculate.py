@@ -3108,6 +3108,29 @@ def test_block_eligibility_refuses_a_bad_grads_finite_rather_than_call_the_block
         assert sp.block_eligibility(opt, param, grad, state, sofx.AdamHParams(), 1.0, grads_finite=good).eligible
 
 
+def test_block_eligibility_of_a_tree_block_combines_its_leaves(rng):
+    """A block may be a pytree (speculative_block_step and apply_block_action take one); block_eligibility raised
+    Python's bare ValueError ("too many values to unpack") for a block of two leaves, and a bare AttributeError
+    ("'list' object has no attribute 'numel'") for one of a single leaf that needs a snapshot. It combines the
+    leaves: ineligible where one is, else the costliest strategy, the leaves' reasons and the sum of their snapshot
+    bytes (what Adam.update's record of the block keeps); a leaf without gradient counts for nothing."""
+    opt = sofx.adamw(lr=1e-2)
+    ps = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
+    gs = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
+    state = opt.init(ps)
+    el = sp.block_eligibility(opt, ps, gs, state, sofx.AdamHParams(), 1.0)
+    assert el == sp.Eligibility(True, "algebraic", "", 0)
+    el = sp.block_eligibility(opt, ps, gs, state, sofx.AdamHParams(beta1=0.0), 1.0)
+    assert el.eligible and el.strategy == "snapshot" and "beta1 = 0.0" in el.reason
+    _, _, record = opt.update(ps, gs, state, sofx.AdamHParams(beta1=0.0))
+    assert el.snapshot_bytes == record.snapshot_bytes() == 3 * 4 * (4 + 3)
+    one = sp.block_eligibility(opt, [ps[0]], [gs[0]], opt.init([ps[0]]), sofx.AdamHParams(beta1=0.0), 1.0)
+    assert one.snapshot_bytes == 3 * 4 * 4
+    half = sp.block_eligibility(opt, ps, [gs[0], None], state, sofx.AdamHParams(beta1=0.0), 1.0)
+    assert half.snapshot_bytes == 3 * 4 * 4
+    assert not sp.block_eligibility(opt, ps, [None, None], state, sofx.AdamHParams(), 1.0).eligible
+
+
 def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
     """A block may be a pytree (speculative_step's leaves, the offload engine's per-parameter lists): a ``step``
     action with ``zero_grad`` (missing_grad="zero") raised torch's bare TypeError ("zeros_like(): argument 'input'

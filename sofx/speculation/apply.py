@@ -32,6 +32,10 @@ from sofx.undo_record import UndoRecord, strategy_snapshot_bytes
 __all__ = ["grad_sumsq", "block_eligibility", "snapshot_bytes_of", "speculative_block_step", "apply_block_action"]
 
 
+# Which strategy's snapshot costs more: a tree block's Eligibility names its costliest leaf's.
+_STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
+
+
 def grad_sumsq(grad: torch.Tensor) -> float:
     """``sum(grad**2)`` accumulated in float64: finite iff every element of ``grad`` is."""
     return sumsq(grad)
@@ -49,7 +53,8 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
     The strategy is the one :meth:`sofx.Adam.update` would choose for these
     inputs (:meth:`sofx.Adam.undo_strategies`): algebraic (free),
     param_snapshot or snapshot (costs memory), or none / refused (ineligible).
-    Bad inputs raise as ``update`` would. ``grads_finite``: the hint of
+    Bad inputs raise as ``update`` would. A tree block (a list of leaves) is ineligible where one of its leaves
+    is, else its costliest leaf's strategy, with the sum of the leaves' snapshot bytes. ``grads_finite``: the hint of
     :meth:`sofx.Adam.update` (True when the caller knows every element of
     ``grad`` is finite, e.g. from its sum of squares: it is not read again).
     """
@@ -58,15 +63,28 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
     # Eligibility(False, reason="grads_finite = 'no' is invalid ..."), the block stepped late without a raise)
     grads_finite = validate_grads_finite(grads_finite)
     try:
-        (plan,) = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale, grads_finite=grads_finite)
+        plans = opt.undo_strategies(param, grad, state, hparams, grad_scale=grad_scale, grads_finite=grads_finite)
     except UnsupportedError as exc:
         return Eligibility(False, None, str(exc), 0)
-    if plan is None:  # pragma: no cover - grad is a tensor, so the leaf always has a plan
+    # A tree block (speculative_block_step takes one) combines its leaves (it raised a bare ValueError unpacking
+    # their plans, and a bare AttributeError taking a list's numel): ineligible where one is, else the costliest
+    # strategy, the leaves' reasons and the sum of their snapshots; a leaf without gradient counts for nothing.
+    leaves = zip(plans, tree.leaves(param), tree.leaves(state.mu), tree.leaves(state.nu))
+    strategy, reasons, nbytes = None, [], 0
+    for plan, p, m, v in leaves:
+        if plan is None:
+            continue
+        leaf_strategy, reason = plan
+        if leaf_strategy == "none":
+            return Eligibility(False, leaf_strategy, reason or "the step cannot be undone", 0)
+        if strategy is None or _STRATEGY_COST.get(leaf_strategy, 0) > _STRATEGY_COST.get(strategy, 0):
+            strategy = leaf_strategy
+        if reason:
+            reasons.append(reason)
+        nbytes += strategy_snapshot_bytes(leaf_strategy, p, m, v)
+    if strategy is None:
         return Eligibility(False, None, "no gradient", 0)
-    strategy, reason = plan
-    if strategy == "none":
-        return Eligibility(False, strategy, reason or "the step cannot be undone", 0)
-    return Eligibility(True, strategy, reason, snapshot_bytes_of(strategy, param, state))
+    return Eligibility(True, strategy, "; ".join(dict.fromkeys(reasons)), nbytes)
 
 
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
