@@ -3131,6 +3131,25 @@ def test_block_eligibility_of_a_tree_block_combines_its_leaves(rng):
     assert not sp.block_eligibility(opt, ps, [None, None], state, sofx.AdamHParams(), 1.0).eligible
 
 
+def test_snapshot_bytes_of_names_what_it_refuses_and_sums_a_tree_block(rng):
+    """sofx.speculation.apply.snapshot_bytes_of raised Python's bare AttributeError for a state that is no AdamState
+    ("'NoneType' object has no attribute 'mu'") or a tree block ("'list' object has no attribute 'numel'"), and
+    counted an unknown strategy ("snapshots") as 0 bytes. The state is refused as Adam's calls refuse it, an unknown
+    strategy named, and a tree block's leaves summed."""
+    from sofx.speculation.apply import snapshot_bytes_of
+
+    opt = sofx.adamw()
+    ps = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
+    state = opt.init(ps)
+    assert snapshot_bytes_of("snapshot", ps, state) == 3 * 4 * 7
+    assert snapshot_bytes_of("param_snapshot", ps, state) == 4 * 7
+    assert snapshot_bytes_of("algebraic", ps[0], opt.init(ps[0])) == 0
+    with pytest.raises(sofx.LeafError, match=r"^state: expected an AdamState, got NoneType"):
+        snapshot_bytes_of("snapshot", ps, None)
+    with pytest.raises(sofx.SofxError, match=r"^snapshot_bytes_of: strategy 'snapshots' is none of"):
+        snapshot_bytes_of("snapshots", ps, state)
+
+
 def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
     """A block may be a pytree (speculative_step's leaves, the offload engine's per-parameter lists): a ``step``
     action with ``zero_grad`` (missing_grad="zero") raised torch's bare TypeError ("zeros_like(): argument 'input'

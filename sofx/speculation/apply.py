@@ -21,13 +21,13 @@ from typing import Any
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState, validate_grads_finite
-from sofx.errors import SofxError, UnsupportedError
+from sofx.adam import Adam, AdamHParams, AdamState, not_an_adam_state, validate_grads_finite
+from sofx.errors import LeafError, SofxError, UnsupportedError
 from sofx.kernels.user_numbers import integer
 from sofx.serial import check_opt
 from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility, StepContext
 from sofx.transforms import sumsq
-from sofx.undo_record import UndoRecord, strategy_snapshot_bytes
+from sofx.undo_record import STRATEGIES, UndoRecord, strategy_snapshot_bytes
 
 __all__ = ["grad_sumsq", "block_eligibility", "snapshot_bytes_of", "speculative_block_step", "apply_block_action"]
 
@@ -42,8 +42,15 @@ def grad_sumsq(grad: torch.Tensor) -> float:
 
 
 def snapshot_bytes_of(strategy: str, param: torch.Tensor, state: AdamState) -> int:
-    """Bytes a speculative step with undo ``strategy`` keeps alive for its snapshot."""
-    return strategy_snapshot_bytes(strategy, param, state.mu, state.nu)
+    """Bytes a speculative step with undo ``strategy`` keeps alive for its snapshot (a tree block's: the sum over
+    its leaves). A ``state`` that is no :class:`~sofx.adam.AdamState` is refused as Adam's calls refuse it (a bare
+    AttributeError before), and a strategy that is none of an undo record's (it counted as 0 bytes)."""
+    if not isinstance(state, AdamState):
+        raise LeafError(not_an_adam_state(state))
+    if strategy not in STRATEGIES:
+        raise SofxError(f"snapshot_bytes_of: strategy {strategy!r:.80} is none of {STRATEGIES} (an undo record's)")
+    return sum(strategy_snapshot_bytes(strategy, p, m, v)
+               for p, m, v in zip(tree.leaves(param), tree.leaves(state.mu), tree.leaves(state.nu)))
 
 
 def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
