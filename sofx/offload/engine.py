@@ -1452,8 +1452,8 @@ class OffloadEngine:
         largest (it would wrap to -2^63), an :class:`~sofx.errors.HParamError` where the step's size ``lr / (1 -
         beta1**t)`` is beyond float32 (:meth:`_check_step_sizes`); each naming the parameter. The block's step raised
         in the executor, the blocks before it stepped, and the engine stopped for good. Such a block is never
-        speculated (held, :meth:`_held_from_speculating`; ineligible, :meth:`_eligibility`); an undo+redo redoes a speculative step at the count it reached (that count
-        may be the largest)."""
+        speculated (held, :meth:`_held_from_speculating`; ineligible, :meth:`_eligibility`); an undo+redo redoes a
+        speculative step at the count it reached (that count may be the largest)."""
         for action in actions:
             if action.kind not in ("step", "undo_redo"):
                 continue
