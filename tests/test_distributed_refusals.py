@@ -9,6 +9,7 @@ group timeout, and is killed if it does not finish in time: a hang fails the tes
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Callable
 
@@ -293,7 +294,13 @@ def _not_a_number(rank: int) -> dict:
     """all_reduce_sumsq's hook called with two numbers (a tensor of 2) on rank BAD: before, float() raised there
     while the other rank waited for its sum."""
     reduce = sd.all_reduce_sumsq()
-    return {"msg": error_text(lambda: reduce(torch.ones(2) if rank == BAD else 1.0)), "next": reduce(2.0)}
+    out = {"msg": error_text(lambda: reduce(torch.ones(2) if rank == BAD else 1.0)),
+           "str": error_text(lambda: reduce("1.0" if rank == BAD else 1.0))}  # (before, float() read it as 1.0)
+    # no sum of squares either (before, taken: -5.0 lowered the others' sum silently, True counted as 1), and an
+    # int beyond the float range, inf (before, refused as no real number)
+    for name, local in (("negative", -5.0), ("bool", True), ("huge", 10**400)):
+        out[name] = error_text(lambda: out.setdefault(f"{name}_sum", reduce(local if rank == BAD else 1.0)))
+    return {**out, "next": reduce(2.0)}
 
 
 def _positional_argument_misspelt_or_too_many(rank: int) -> dict:
@@ -551,6 +558,18 @@ def test_a_local_sum_that_is_not_a_number_is_refused_on_every_rank(ranks):
                           "expected a real number", msg
         else:
             assert msg.startswith(OTHERS_REFUSED), msg
+        msg = res["not_a_number"]["str"]
+        assert msg == "all_reduce_sumsq: this rank's local sum of squares is '1.0' (str); expected a real number" \
+            if rank == BAD else msg.startswith(OTHERS_REFUSED), msg
+        for name, shown in (("negative", "-5.0 (float)"), ("bool", "True (bool)")):
+            msg = res["not_a_number"][name]
+            if rank == BAD:
+                assert msg == f"all_reduce_sumsq: this rank's local sum of squares is {shown}; expected a sum of " \
+                              "squares >= 0 (inf or nan where a gradient is not finite, -0.0 where it has none)", msg
+            else:
+                assert msg.startswith(OTHERS_REFUSED), msg
+            assert f"{name}_sum" not in res["not_a_number"]
+        assert res["not_a_number"]["huge"] == "no error" and res["not_a_number"]["huge_sum"] == math.inf
         assert res["not_a_number"]["next"] == 4.0  # the next step's sum, on every rank
 
 

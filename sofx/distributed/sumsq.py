@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import numbers
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -21,6 +22,7 @@ from sofx.distributed.groups import _collective_device, _data_failure, dist, req
 from sofx.distributed.refusals import RankRefusedError, _as_refusal
 from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _entries, _setup_entries, _setup_hint
 from sofx.errors import SofxError
+from sofx.kernels.user_numbers import is_bool, real_number
 from sofx.required import REQUIRED
 
 __all__ = ["SumsqReduce", "all_reduce_sumsq"]
@@ -67,15 +69,24 @@ class SumsqReduce:
         refusal flag (24 bytes a rank in place of 16; no further round). Only where the digests differ, the
         error's path, does an ``all_gather_object`` fetch the settings to name what differs; every rank sees the
         same digests, so every rank takes that path, and raises before it steps anything.
+
+        ``local``: this rank's sum of squares, a real number >= 0 (inf or nan: an overflow; ``-0.0``: no
+        gradient); another (negative, a bool, a str) is this rank's refusal of the step too.
         """
         self._refuse_call("the hook's agreed_sum", ("local", "settings"), local is REQUIRED, extra, unknown)
         try:
-            value = float(local)
+            value = _local_sumsq(local)
         except Exception as e:  # refused in the collective: raised before it, the others would wait for this rank
             error = SofxError(f"all_reduce_sumsq: this rank's local sum of squares is {_shortened(repr(local), 80)} "
                               f"({type(local).__name__}); expected a real number")
             self.refuse(error)
             raise error from e
+        if value is None:  # (added, it lowered the others' sum silently: a clip coefficient of another step)
+            error = SofxError(f"all_reduce_sumsq: this rank's local sum of squares is {_shortened(repr(local), 80)} "
+                              f"({type(local).__name__}); expected a sum of squares >= 0 (inf or nan where a "
+                              "gradient is not finite, -0.0 where it has none)")
+            self.refuse(error)
+            raise error
         try:
             entries = _settings_entries(settings)
         except Exception as e:
@@ -166,6 +177,23 @@ class SumsqReduce:
         for value, _, _ in gathered:
             total += value
         return total
+
+
+def _local_sumsq(local: Any) -> float | None:
+    """A rank's local sum of squares ``local`` as a Python float (a Python or numpy number, or a 1-element tensor;
+    an int beyond the float range is inf, as :func:`sofx.transforms.total_sumsq` reads a block's); ``None`` where
+    it is a real number but no sum of squares: negative (-0.0, no gradient, is none), or a bool (``True`` was 1).
+    Python's ``TypeError`` where it is no real number (a str, a tensor of many elements)."""
+    if is_bool(local) or (isinstance(local, torch.Tensor) and local.dtype == torch.bool):
+        return None
+    x = real_number(local, "all_reduce_sumsq: local", SofxError)
+    if not isinstance(x, numbers.Real):  # (float() read the str "1.0" as 1.0)
+        raise TypeError(f"{type(local).__name__} is no real number")
+    try:
+        value = float(x)
+    except OverflowError:  # (an int beyond the float range: Python's float() refused it)
+        value = math.inf
+    return None if value < 0 else value
 
 
 def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
