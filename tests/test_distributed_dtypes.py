@@ -135,7 +135,26 @@ def _means_beside_ddp(rank: int) -> dict:
     return out
 
 
-CASES = {"sharded_loops": _sharded_loops, "means_beside_ddp": _means_beside_ddp}
+# leaves of dtypes gloo cannot broadcast (its "Invalid scalar type"), and of others
+GATHERED = {"a": torch.float8_e4m3fn, "b": torch.float32, "c": torch.int16, "d": torch.float8_e5m2, "e": torch.uint16}
+
+
+def _gathered_leaf(k: str) -> torch.Tensor:
+    return torch.arange(-3, 4, dtype=torch.float32).mul(0.75).add(1 + 0.5 * KEYS.index(k)).to(GATHERED[k])
+
+
+def _gather_of_any_dtype(rank: int) -> dict:
+    """Shard.gather of leaves of every dtype (a float8 master or moment, an int16 or uint16 count): before, the
+    broadcast of a float8 or int16 leaf raised gloo's 'Invalid scalar type' on every rank, reported as a rank that
+    did not take part within the group's timeout."""
+    like = {k: torch.empty(7, dtype=dt, device="meta") for k, dt in GATHERED.items()}
+    shard = sd.shard_blocks(like, owners=(0, 1, 1, 0, 1))
+    full = shard.gather([_gathered_leaf(KEYS[i]) for i in shard.owned], like=like)
+    return {k: (str(v.dtype), v.view(torch.uint8).clone()) for k, v in full.items()}  # (bits: any dtype saved)
+
+
+CASES = {"sharded_loops": _sharded_loops, "means_beside_ddp": _means_beside_ddp,
+         "gather_of_any_dtype": _gather_of_any_dtype}
 
 
 @pytest.fixture(scope="module")
@@ -171,3 +190,10 @@ def test_the_mean_on_two_ranks_is_ddps_bit_for_bit(ranks, dtype):
             assert torch.equal(got["reduce_mean"], got["ddp"])
         else:
             assert got["reduce_mean"] is None
+
+
+def test_a_gather_of_leaves_of_any_dtype_sends_their_bits(ranks):
+    for r in ranks:
+        got = r["gather_of_any_dtype"]
+        for k, dt in GATHERED.items():
+            assert got[k][0] == str(dt) and torch.equal(got[k][1], _gathered_leaf(k).view(torch.uint8)), k

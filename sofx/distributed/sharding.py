@@ -170,7 +170,9 @@ class Shard:
         dtype travel as one flat buffer: one broadcast per (owner, dtype).
         Every rank of ``group`` must call it, with ``like`` of the same dtypes and
         shapes (checked first, as in :func:`all_reduce_mean_`). The returned leaves are
-        non-overlapping views of those buffers, bit-identical to the owners'.
+        non-overlapping views of those buffers, bit-identical to the owners' (a buffer
+        travels as its bytes: leaves of any dtype, float8 ones included, which gloo
+        broadcasts as no dtype of theirs).
         """
         require_initialized(group, "Shard.gather")
         refused = None
@@ -199,8 +201,8 @@ class Shard:
             else:
                 flat = torch.empty(sum(sizes), dtype=dtype, device=dev)
             if flat.numel():
-                try:
-                    dist.broadcast(flat, src=_global_rank(group, owner), group=group)
+                try:  # (as bytes: gloo broadcasts no float8, int16 or uint16 tensor, its "Invalid scalar type")
+                    dist.broadcast(flat.view(torch.uint8), src=_global_rank(group, owner), group=group)
                 except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError too)
                     raise _data_failure("Shard.gather", exc, "the broadcast of the owners' leaves",
                                         "this rank's local leaves are unchanged") from exc
