@@ -236,6 +236,14 @@ def _run_collectives(rank: int, world: int) -> dict:
                 sd.all_reduce_sumsq(sub)
             except sofx.SofxError as exc:
                 out["not_member"] = str(exc)
+            # no process group at all (before, torch's bare ValueError "Group 1 is not registered")
+            out["not_a_group"] = []
+            for call in (lambda: sd.all_reduce_mean_({"a": torch.ones(1)}, 1), lambda: sd.all_reduce_sumsq("sub"),
+                         lambda: sd.group_size(1)):
+                try:
+                    call()
+                except sofx.SofxError as exc:
+                    out["not_a_group"].append(str(exc))
         else:
             out["sub_sum"] = sd.all_reduce_sumsq(sub)(float(rank))
             params = _params()
@@ -637,6 +645,11 @@ def test_collectives_propagate_overflow_and_sum_in_rank_order(ranks2, ranks3):
             assert torch.equal(untouched, torch.arange(6.0) * (ranks.index(r) + 1))
     c0, c1, c2 = (r["collectives"] for r in ranks3)
     assert "not a member" in c0["not_member"]
+    assert len(c0["not_a_group"]) == 3, c0["not_a_group"]
+    for msg, (what, group) in zip(c0["not_a_group"], (("all_reduce_mean_", "1"), ("all_reduce_sumsq", "'sub'"),
+                                                      ("sofx.distributed", "1"))):
+        assert msg.startswith(f"{what}: group={group} is no process group of torch.distributed (ValueError: ") and \
+            msg.endswith("); pass None (the default group) or a group that torch.distributed.new_group made"), msg
     assert c1["sub_sum"] == c2["sub_sum"] == 3.0
     assert c1["sub_gather_equal"] and c2["sub_gather_equal"]
     assert sorted(c1["sub_owned"] + c2["sub_owned"]) == list(range(6))

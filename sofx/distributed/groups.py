@@ -28,16 +28,29 @@ def is_ready() -> bool:
 
 
 def require_initialized(group: Any = None, what: str = "sofx.distributed") -> None:
-    """Raise :class:`SofxError` unless collectives on ``group`` can run in this process."""
+    """Raise :class:`SofxError` unless collectives on ``group`` can run in this process (``group``: ``None``, the
+    default group, or a process group of ``torch.distributed`` that has this process)."""
     if dist is None or not dist.is_available():
         raise SofxError(f"{what}: this build of torch has no torch.distributed support")
     if not dist.is_initialized():
         single = " (or pass reduce_sumsq=None for a single process)" if what == "all_reduce_sumsq" else ""
         raise SofxError(f"{what}: torch.distributed is not initialized; call "
                         f"torch.distributed.init_process_group(...) on every rank first{single}")
-    if group is not None and dist.get_rank(group) < 0:
+    if group is None:
+        return
+    try:
+        rank = dist.get_rank(group)
+    except (ValueError, TypeError, RuntimeError) as e:  # (torch's bare "Group 1 is not registered, ...")
+        raise SofxError(f"{what}: group={_shortened(repr(group))} is no process group of torch.distributed "
+                        f"({type(e).__name__}: {e}); pass None (the default group) or a group that "
+                        "torch.distributed.new_group made") from e
+    if rank < 0:
         raise SofxError(f"{what}: this process (global rank {dist.get_rank()}) is not a member of the given "
                         "process group")
+
+
+def _shortened(text: str, limit: int = 80) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def group_rank(group: Any = None) -> int:
