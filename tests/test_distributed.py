@@ -806,6 +806,16 @@ def test_local_hparams_of_a_schedule_refuse_what_the_loops_refuse_in_their_words
     assert [hp.lr for hp in wrapped(0)] == [1e-2] * len(shard.owned)
 
 
+def test_local_hparams_refuse_an_opt_that_is_no_sofx_adam_at_once():
+    """An ``opt`` that is no sofx.Adam (None, a torch.optim optimizer) raised Python's bare AttributeError ('...
+    has no attribute resolve_hparams'); given a schedule, only at the first step, inside the loop."""
+    shard = sd.shard_blocks(_params(), rank=0, world_size=2)
+    torch_opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    for opt, hparams in ((None, None), (torch_opt, _schedule), (sofx.apply_if_finite(_opt(), 3), None)):
+        with pytest.raises(sofx.SofxError, match=rf"^Shard.local_hparams: opt is an? {type(opt).__name__}"):
+            shard.local_hparams(opt, hparams)
+
+
 def test_local_hparams_follow_a_tensor_hparam_changed_in_place_as_one_process_does():
     """A 0-d tensor lr that the training loop changes in place (``lr.fill_()``, a schedule of one's own) is read
     by each step in one process; a shard's local hparams read it once, when built, and its steps went on with

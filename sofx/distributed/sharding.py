@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
-from sofx.adam import AdamHParams, hparams_at
+from sofx.adam import Adam, AdamHParams, hparams_at
 from sofx.distributed.agreement import _agree, _check_same_layout, _dtype_shape
 from sofx.distributed.groups import (_collective_device, _data_failure, _global_rank, dist, is_ready,
                                      require_initialized)
@@ -115,6 +115,13 @@ class Shard:
         tree does, so that changing it in place (``lr.fill_()``) between steps
         moves every rank's steps alike.
         """
+        if not isinstance(opt, Adam):  # (Python's bare AttributeError from resolve_hparams; a schedule's at a step)
+            inner = getattr(opt, "inner", None)
+            wrapper = " (of an apply_if_finite wrapper, pass its inner sofx.Adam: opt.inner)" \
+                if isinstance(inner, Adam) else ""
+            raise SofxError(f"Shard.local_hparams: opt is a {type(opt).__name__}; expected the sofx.Adam the loops "
+                            "step with (sofx.adamw(...) or sofx.adam(...)), whose defaults fill the fields left "
+                            f"None{wrapper}")
         if callable(hparams):  # evaluated as the loops do (hparams_at: what it returned, refused in their words)
             return lambda step: self.local_hparams(opt, hparams_at(hparams, step))
         per_leaf = opt.resolve_hparams(hparams, self.spec)  # checked; defaults filled in, tensors read
