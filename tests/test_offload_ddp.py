@@ -342,6 +342,31 @@ def _change_grad(p: torch.Tensor, how: str) -> None:
         p.grad = None
 
 
+def _forward_between_backward_and_step(rank: int) -> dict:
+    """A forward in grad mode between backward and ``step()`` (a metric) at the first step of a DDP module with
+    ``gradient_as_bucket_view``: DDP rebuilds its buckets there (once: in the forward after the first synchronized
+    backward), moving every ``.grad`` into a view of the new buckets, the same values. Before, ``step()`` took that
+    for a ``.grad`` changed after backward and refused. What each ``step()`` said, and the parameters after each
+    next to DDP + torch.optim.AdamW's (reference kernels: bitwise)."""
+    ref, model = _ddp({"gradient_as_bucket_view": True}), _ddp({"gradient_as_bucket_view": True})
+    ropt = torch.optim.AdamW(ref.parameters(), lr=LR, foreach=False)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=LR, block_numel=16, backend="reference", ddp=model)
+    out: dict = {"said": [], "torch": [], "sofx": []}
+    try:
+        for step in range(2):
+            for net, optimizer in ((ref, ropt), (model, opt)):
+                optimizer.zero_grad()
+                _plain_backward(net, step, rank)
+                net(_batch(step, 1, rank)[0])  # (grad mode on)
+                said = error_text(optimizer.step)
+            out["said"].append(said)
+            out["torch"].append(_flat(ref.module))
+            out["sofx"].append(_flat(model.module))
+    finally:
+        opt.close()
+    return out
+
+
 def _grad_changed_after_backward(rank: int) -> dict:
     """``.grad`` of an averaged parameter changed between backward and step() (scaled in place, replaced,
     cleared): what step() said, whether the parameters stayed as they were, and whether zero_grad() and a step
@@ -1209,6 +1234,7 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
          "refused_in_hook": _refused_in_hook,
          "refused_in_hook_checkpointed": functools.partial(_refused_in_hook, make=functools.partial(
              _checkpointed_ddp, recompute_s=0.05)), "grad_changed": _grad_changed_after_backward,
+         "forward_between_backward_and_step": _forward_between_backward_and_step,
          "uneven_inputs": _uneven_inputs, "join_by_remaining_ranks": _join_by_remaining_ranks,
          "resumed": _resumed_from_other_checkpoints, "changed_on_one_rank": _state_changed_on_one_rank,
          "rearranged_on_one_rank": _state_rearranged_on_one_rank,
@@ -1235,6 +1261,15 @@ CASES = {"refusals": _refusals, "replaced_then_closed": _replaced_then_closed, "
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     return run_gloo_cases(CASES, 2, tmp_path_factory.mktemp("ddp"), timeout_s=600)
+
+
+def test_a_forward_between_backward_and_step_where_ddp_rebuilds_its_buckets_steps_as_torch(ranks):
+    results = [r["forward_between_backward_and_step"] for r in ranks]
+    for rank, res in enumerate(results):
+        assert res["said"] == ["no error", "no error"], (rank, res["said"])
+        for step in range(2):
+            assert torch.equal(res["sofx"][step], res["torch"][step]), (rank, step)
+            assert torch.equal(res["sofx"][step], results[0]["sofx"][step]), (rank, step)
 
 
 def _deviation(a: torch.Tensor, b: torch.Tensor) -> float:

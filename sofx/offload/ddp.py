@@ -71,6 +71,7 @@ class DDPRoute:
         self._engine: weakref.ReferenceType[OffloadEngine] | None = None
         self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
         self._closed = False  # the engine was closed, and another rank's may still take part in the exchanges
+        self.rebuilt = False  # whether the DDP module had rebuilt its buckets at its last forward (_after_forward)
 
     def owner(self) -> OffloadEngine | None:
         """The engine taking the gradients now (``None``: none, or it was collected)."""
@@ -561,8 +562,27 @@ def ddp_route(ddp: Any) -> DDPRoute:
                                "in a DistributedDataParallel without a hook") from None
     # (an instance attribute over DDP's method, holding neither the module nor a cycle through it)
     ddp.join_hook = functools.partial(_join_hook, weakref.ref(ddp), route)
+    route.rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+    ddp.register_forward_hook(functools.partial(_after_forward, route), always_call=True)
     setattr(ddp, _ROUTE_ATTRIBUTE, route)
     return route
+
+
+def _after_forward(route: DDPRoute, ddp: Any, args: Any, output: Any) -> None:
+    """A forward hook of the DDP module (also where its forward raised): where DDP rebuilt its buckets in this
+    forward (once, in the first forward in grad mode after the first synchronized backward; again after
+    ``_update_process_group``), with ``gradient_as_bucket_view`` it moved every ``.grad`` into a view of the new
+    buckets, the same values: the engine notes those as the gradients DDP left
+    (:meth:`~sofx.offload.engine.OffloadEngine.note_rebuilt_grads`). Unnoted, a forward between backward and
+    ``step()`` (a metric, in grad mode) at the first step made ``step()`` refuse a ``.grad`` "changed after
+    backward", and a later synchronized backward of that step was scaled as a copied gradient (by ``1 /
+    world_size``, where DDP divides a bucket view in place: the last bit of a third of the elements, 3 ranks)."""
+    rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
+    if rebuilt and not route.rebuilt and route.bucket_view:
+        engine = route.owner()
+        if engine is not None:
+            engine.note_rebuilt_grads()
+    route.rebuilt = rebuilt
 
 
 def _join_hook(ddp_ref: "weakref.ReferenceType[Any]", route: DDPRoute, **kwargs: Any) -> Any:

@@ -841,6 +841,19 @@ class OffloadEngine:
         if error is not None:
             raise error
 
+    def note_rebuilt_grads(self) -> None:
+        """``ddp`` rebuilt its buckets (:func:`sofx.offload.ddp._after_forward`), and with ``gradient_as_bucket_view``
+        moved each ``.grad`` into a view of the new ones, its values copied: where the gradient DDP left at the step's
+        last synchronized backward (:meth:`end_reduced_backward`) was not changed since (its version; or it was
+        freed, DDP holding it no more), the new ``.grad`` is noted as that gradient."""
+        for i, mark in self._reduced_grads.items():
+            grad = self.params[i].grad
+            if mark is None or grad is None or mark[0]() is grad:
+                continue
+            old = mark[0]()
+            if old is None or (old._version == mark[1] and old.data_ptr() == mark[2]):
+                self._reduced_grads[i] = _grad_mark(grad)
+
     def grad_kept_since_reduced(self, index: int) -> bool:
         """Whether ``.grad`` of averaged parameter ``index`` is the tensor DDP left there at the end of the step's
         last synchronized backward (:meth:`end_reduced_backward`; autograd may have accumulated into it since): DDP
