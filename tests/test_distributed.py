@@ -771,6 +771,10 @@ def test_owners_and_sizes_that_are_not_sequences_are_refused_naming_the_call():
     assert sd.shard_blocks(_params(), owners=iter(owners), rank=0, world_size=2).owners == owners
     assert sd.Shard(0, 2, iter(owners), spec).owners == owners
     assert sd.partition_blocks(iter([10, 10]), 2) == (0, 1)
+    # a spec that is no tree structure (the params tree itself, say): before, a bare AttributeError ('dict' object
+    # has no attribute 'num_leaves')
+    with pytest.raises(sofx.SofxError, match=r"^Shard: spec is a dict; expected the params' tree structure "):
+        sd.Shard(0, 2, owners, _params())
 
 
 def test_partition_blocks_is_contiguous_balanced_and_complete():

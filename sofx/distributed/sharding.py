@@ -79,6 +79,9 @@ class Shard:
         rank = integer("Shard: rank", self.rank, 0, SofxError)
         if not rank < world_size:
             raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
+        if not isinstance(self.spec, tree.TreeSpec):  # (a bare AttributeError: no attribute 'num_leaves')
+            raise SofxError(f"Shard: spec is a {type(self.spec).__name__}; expected the params' tree structure "
+                            "(sofx.tree.flatten(params)[1]); shard_blocks(params) builds a Shard")
         given = _items_of(self.owners, "Shard: owners", "ranks, one per leaf")
         if len(given) != self.spec.num_leaves:
             raise SofxError(f"owners has {len(given)} entries, the params tree has {self.spec.num_leaves} leaves")
