@@ -674,7 +674,8 @@ def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> 
     size, as ``view(3)`` takes it), laid out one after another; shapes that do not cover its elements exactly (or
     of a negative size) are refused, a ``ValueError`` naming the sizes, before any view (a ``flat`` that is no
     tensor, or a shape that is no shape, a ``TypeError``; a ``flat`` whose memory was freed or shrunk, a
-    :class:`~sofx.errors.LeafError`: :func:`~sofx.kernels.storage.refuse_short_storage`)."""
+    :class:`~sofx.errors.LeafError`: :func:`~sofx.kernels.storage.refuse_short_storage`, but while ``torch.compile``
+    traces, which cannot read a fake tensor's storage)."""
     if not isinstance(flat, torch.Tensor):
         raise TypeError(f"unpack: flat is a {type(flat).__name__}, expected a 1-d tensor")
     if flat.dim() != 1:  # (a row slice of a 2-d buffer was viewed as the leaf: torch's bare view error)
@@ -698,7 +699,9 @@ def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> 
     total = sum(k for _, k in sizes)
     if total != flat.numel():  # (checked first: the leaf that ran out raised torch's bare view error)
         raise ValueError(f"unpack: shapes cover {total} elements, flat buffer has {flat.numel()}")
-    if not in_storage(flat):  # (freed or shrunk: torch's bare "setStorage: ... out of bounds" from the first view)
+    # (freed or shrunk: torch's bare "setStorage: ... out of bounds" from the first view; not while compiling, where
+    # the storage of a fake tensor cannot be read: it broke the graph)
+    if not torch.compiler.is_compiling() and not in_storage(flat):
         refuse_short_storage(flat, "unpack: flat")
     views = []
     offset = 0

@@ -600,3 +600,19 @@ def test_python_float_factors_that_change_trace_in_scale_tree_and_zero_clip_fact
         got, want = compiled(grads, x), scaled(grads, x)
         assert all(torch.equal(got[k], want[k]) for k in grads), x
     assert counter.frame_count == 2
+
+
+def test_unpack_compiles_fullgraph():
+    """sofx.tree.unpack's views of a flat buffer traced in one graph; its check of a freed or shrunk buffer (4a9b1fa:
+    the buffer's storage read, which Dynamo cannot do for a fake tensor) broke the graph ("Unsupported torch.* op
+    returned non-Tensor"), fullgraph=True refused. It is not made while compiling, as in_storage's callers skip it."""
+    torch._dynamo.reset()
+    flat = torch.linspace(-1, 1, 7)
+
+    def views(f):
+        a, b = sofx.tree.unpack(f, [(3,), (2, 2)])
+        return a * 2, b + 1
+
+    counter = CompileCounter()
+    got, want = torch.compile(views, backend=counter, fullgraph=True)(flat), views(flat)
+    assert all(torch.equal(g, w) for g, w in zip(got, want)) and counter.frame_count == 1
