@@ -537,7 +537,8 @@ def _refused_by_save_zero3(directory, loss_scaler, match):
 
 def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
     """... by load_zero3_loss_scaler as corrupt, and by save_zero3 before any file is written: as a (rule, state)
-    pair was, and as DeepSpeed's attributes too (they were written as given)."""
+    pair was, and as DeepSpeed's attributes too (they were written as given). A number that is an int beyond the
+    float range raised Python's bare OverflowError from both."""
     rule = sofx.loss_scale.deepspeed_scaler(init_scale=256.0, min_scale=2.0)
     good = ck.deepspeed_loss_scaler(rule, rule.init()._replace(cur_iter=9, last_overflow_iter=4, cur_hysteresis=1))
     for bad, match in (({"cur_scale": math.inf}, "cur_scale = inf"),
@@ -547,7 +548,11 @@ def test_a_loss_scaler_no_deepspeed_run_holds_is_refused(tmp_path):
                        ({"cur_hysteresis": 3}, r"\['cur_hysteresis'\] = 3 is invalid"),
                        ({"cur_iter": -1}, "cur_iter"), ({"scale_window": 2.5}, "no valid 'scale_window'"),
                        ({"consecutive_hysteresis": 1}, "no valid 'consecutive_hysteresis'"),
-                       ({"dynamic": False, "cur_scale": -2.0}, "cur_scale = -2.0")):
+                       ({"dynamic": False, "cur_scale": -2.0}, "cur_scale = -2.0"),
+                       # (an int beyond the float range: Python's bare OverflowError from float())
+                       ({"cur_scale": 10 ** 400}, r"\['cur_scale'\] is an int beyond the float range \(1329 bits\)"),
+                       ({"min_scale": -10 ** 400}, r"\['min_scale'\] is an int beyond the float range"),
+                       ({"scale_factor": 10 ** 400}, r"\['scale_factor'\] is an int beyond the float range")):
         _refused_by_save_zero3(tmp_path / "refused", {**good, **bad}, match)
         files = _files_with_loss_scaler(tmp_path, {**good, **bad})
         with pytest.raises(ck.CorruptCheckpointError, match=match):

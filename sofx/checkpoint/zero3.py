@@ -715,7 +715,15 @@ def _scaler_of_attributes(raw: Mapping[str, Any], growth_rule: str) -> tuple[Any
             raise HParamError(f"loss_scaler has no valid {name!r} (got {value!r})")
         return value
 
-    scale = float(attr("cur_scale", (int, float)))
+    def number(name: str) -> float:
+        value = attr(name, (int, float))
+        try:
+            return float(value)
+        except OverflowError:  # (an int beyond the float range: Python's bare OverflowError)
+            raise HParamError(f"loss_scaler[{name!r}] is an int beyond the float range ({value.bit_length()} bits); "
+                              "expected a finite number") from None
+
+    scale = number("cur_scale")
     dynamic = attr("dynamic", bool) if "dynamic" in raw else raw.get("class") == "DynamicLossScaler"
     if not (math.isfinite(scale) and scale > 0):
         raise HParamError(f"cur_scale = {scale!r}; expected a finite number > 0")
@@ -723,12 +731,12 @@ def _scaler_of_attributes(raw: Mapping[str, Any], growth_rule: str) -> tuple[Any
         rule: Any = static_scale(scale)
         return rule, rule.init()
     hysteresis = attr("delayed_shift", int)
-    min_scale = float(attr("min_scale", (int, float)))
+    min_scale = number("min_scale")
     if scale < min_scale:  # (the rule would refuse it as an init_scale below min_scale: the attributes have none)
         raise HParamError(f"loss_scaler['cur_scale'] = {scale!r} is below min_scale = {min_scale!r}; expected "
                           "a scale >= min_scale (DeepSpeed's never goes below it)")
     rule = deepspeed_scaler(init_scale=scale, scale_window=attr("scale_window", int), hysteresis=hysteresis,
-                            min_scale=min_scale, scale_factor=float(attr("scale_factor", (int, float))),
+                            min_scale=min_scale, scale_factor=number("scale_factor"),
                             consecutive_hysteresis=attr("consecutive_hysteresis", bool),
                             raise_error_at_min_scale=attr("raise_error_at_min_scale", bool),
                             growth_rule=growth_rule)
