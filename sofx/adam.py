@@ -2153,7 +2153,17 @@ TORCH_MATH_OPTIONS = ("amsgrad", "maximize")
 def refused_torch_option(options: Mapping[str, Any], refused: Sequence[str] = TORCH_MATH_OPTIONS) -> str | None:
     """The first of ``refused`` that ``options`` (torch.optim's keyword arguments, a param group) sets to a true
     value, or None: the rule :func:`adam`, :func:`adamw` and the offload facade refuse torch's options by."""
-    return next((name for name in refused if options.get(name)), None)
+    return next((name for name in refused if option_truth(options.get(name)) is not False), None)
+
+
+def option_truth(value: Any) -> bool | None:
+    """``bool(value)``, the truth torch.optim takes an on/off option by (``if group["amsgrad"]:``), or None where
+    ``value`` has none (a tensor or numpy array of several elements: torch's bare RuntimeError, numpy's ValueError),
+    which the callers refuse naming the option (:func:`refused_torch_option` counts it as set: not the default)."""
+    try:
+        return bool(value)
+    except (RuntimeError, TypeError, ValueError):
+        return None
 
 
 def torch_betas(betas: Any, name: str = "betas") -> tuple[Any, Any]:
@@ -2192,7 +2202,10 @@ def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool)
     if name is not None:
         raise UnsupportedError(f"{who}: {name}={options[name]!r} is not supported (only torch.optim's default, "
                                "False)")
-    if bool(options.get("decoupled_weight_decay", decoupled)) != decoupled:
+    value = options.get("decoupled_weight_decay", decoupled)
+    if option_truth(value) is None:
+        raise UnsupportedError(f"{who}: decoupled_weight_decay={value!r:.80} is no flag; expected True or False")
+    if bool(value) != decoupled:
         raise UnsupportedError(f"{who}: decoupled_weight_decay={options['decoupled_weight_decay']!r} is AdamW's "
                                "decoupled weight decay; use sofx.adamw")
 

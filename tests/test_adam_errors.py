@@ -265,6 +265,24 @@ def test_adam_flags_are_python_or_numpy_bools():
             sofx.Adam(opt.defaults, decoupled=bad)
 
 
+def test_a_torch_option_without_a_truth_value_is_refused_naming_it():
+    """amsgrad, maximize, differentiable or decoupled_weight_decay given a tensor (or numpy array) of two elements,
+    which has no truth value, raised torch's bare RuntimeError ('Boolean value of Tensor with more than one value is
+    ambiguous') from sofx.adam/adamw and the offload facade, as from_torch_optim did before bcc1570: refused naming
+    the option and its value, as a value that is not torch's default False is."""
+    two = torch.tensor([True, False])
+    for make, keys in ((sofx.adam, ("amsgrad", "maximize", "decoupled_weight_decay")),
+                       (sofx.adamw, ("amsgrad", "maximize"))):
+        for key in keys:
+            with pytest.raises(sofx.UnsupportedError,
+                               match=rf"^sofx\.{make.__name__}: {key}=tensor\(\[ True, False\]\) is"):
+                make(**{key: two})
+    for cls in (sofx.offload.SpeculativeAdam, sofx.offload.SpeculativeAdamW):
+        for key in ("amsgrad", "maximize", "differentiable", "decoupled_weight_decay"):
+            with pytest.raises(sofx.UnsupportedError, match=rf"^defaults\['{key}'\] = tensor\(\[ True, False\]\)"):
+                cls(torch.nn.Linear(2, 2).parameters(), executor="inline", **{key: two})
+
+
 @pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
 def test_torch_optims_amsgrad_and_maximize_are_refused_set_and_accepted_at_their_default(make):
     """torch.optim.Adam/AdamW's amsgrad and maximize (a bare TypeError before): True is refused by name, as the

@@ -165,7 +165,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 import torch
 
 from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_half_precision,
-                       refused_torch_option, torch_betas)
+                       option_truth, refused_torch_option, torch_betas)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
@@ -298,6 +298,9 @@ def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> 
     if key is not None:
         raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
                                "optimizer (only its default, False)")
+    if "decoupled_weight_decay" in group and option_truth(group["decoupled_weight_decay"]) is None:
+        raise UnsupportedError(f"{where}['decoupled_weight_decay'] = {group['decoupled_weight_decay']!r:.80} is no "
+                               "flag; expected True or False")
     if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != decoupled:
         kind = "SpeculativeAdamW" if decoupled else "SpeculativeAdam"
         other = "SpeculativeAdam" if decoupled else "SpeculativeAdamW"
