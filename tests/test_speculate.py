@@ -3191,6 +3191,34 @@ def test_speculative_block_step_without_a_gradient_is_refused_before_the_decisio
     assert [int(c) for c in s1.count] == [1, 0]
 
 
+def test_an_undo_redo_or_step_action_of_a_tree_block_without_a_gradient_is_refused(rng):
+    """apply_block_action refused grad=None for an undo_redo or a step, but a tree block's grad with no tensor in it
+    ([None, None]) was taken: the undo_redo only undid the speculative step (Adam leaves a leaf without gradient as
+    it is: counts back to 0) and the step took nothing, each marked applied while the plan and its report said
+    redone / stepped (as speculative_block_step before 4a30c79). Refused as grad=None is, nothing written, the action
+    still usable with the gradient."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.static_scale(1.0)
+    pair = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
+    grads = [torch.randn(4, generator=rng) * 10, torch.randn(3, generator=rng) * 10]
+    total = sum(sp.grad_sumsq(g) for g in grads)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(max_norm=1.0), rule, rule.init(), n_blocks=1)
+    tally, d = sp.on_block_ready(ctx, tally, 0, 0.5, sp.Eligibility(True, "algebraic", "", 0))  # (clipped later)
+    p1, s1, rec = sp.speculative_block_step(opt, [p.clone() for p in pair], grads, opt.init(pair), d, ctx=ctx)
+    (redo,) = sp.plan_validation(ctx, tally, [total]).actions
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(max_norm=1.0), rule, rule.init(), n_blocks=1)
+    (step,) = sp.plan_validation(ctx, tally, [total]).actions
+    assert (redo.kind, step.kind) == ("undo_redo", "step")
+    for action, params, state, record in ((redo, p1, s1, rec), (step, pair, opt.init(pair), None)):
+        before = [p.clone() for p in params]
+        with pytest.raises(sofx.SofxError, match=rf"^block 0: {action.kind} needs the block's final gradient \(grad "
+                                                 r"has no tensor in it: list\)"):
+            sp.apply_block_action(opt, action, params, [None, None], state, record)
+        assert all(torch.equal(a, b) for a, b in zip(params, before)) and not action.applied_cell()[0]
+        _, new_state = sp.apply_block_action(opt, action, params, grads, state, record)
+        assert [int(c) for c in new_state.count] == [1, 1]
+
+
 def test_speculative_block_step_given_this_steps_context_refuses_a_decision_of_an_earlier_step(rng):
     """A decision of an earlier step never used in its own step (an engine that kept it) was taken by
     speculative_block_step, which wrote its step (the earlier step's lr) in place; only apply_block_action refused its

@@ -211,6 +211,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     another's: the caller passes block ``i``'s with ``plan.actions[i]``. So is a ``step`` given a record that was not
     used (a speculative step that stands would be stepped again), a ``skip`` given one (the block would keep the
     step), and a ``commit`` given one that was used (its step was undone: the block would be left without it).
+    An ``undo_redo`` or a ``step`` (but with ``zero_grad``) without a gradient -- ``grad`` ``None``, or a tree block's
+    with no tensor in it -- is refused, nothing written (it would undo, or step, nothing of the block).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -274,6 +276,13 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     return new_param, new_state
 
 
+def _no_tensor(grad: Any) -> str:
+    """What a block's ``grad`` without any tensor is, for the refusals of :func:`_apply` ("" for ``None``): a tree
+    of ``None`` leaves was taken, and the action, applied, undid (``undo_redo``) or stepped (``step``) nothing of the
+    leaves (Adam leaves a leaf without gradient as it is), as :func:`speculative_block_step` refuses it."""
+    return "" if grad is None else f" (grad has no tensor in it: {type(grad).__name__})"
+
+
 def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad: torch.Tensor | None,
            state: AdamState, record: UndoRecord | None, donate: bool, grads_finite: bool | None,
            param_copies: Any) -> tuple[torch.Tensor, AdamState]:
@@ -283,8 +292,8 @@ def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad:
     if kind == "undo":
         return opt.undo(param, state, record, donate=donate, param_copies=param_copies)
     if kind == "undo_redo":
-        if grad is None:
-            raise SofxError(f"block {action.block}: undo_redo needs the block's final gradient")
+        if not tree.leaves(grad):
+            raise SofxError(f"block {action.block}: undo_redo needs the block's final gradient{_no_tensor(grad)}")
         new_param, new_state, _ = opt.undo_redo(param, state, record, grad, action.hparams,
                                                 grad_scale=action.grad_scale, donate=donate,
                                                 grads_finite=grads_finite, param_copies=param_copies,
@@ -294,8 +303,8 @@ def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad:
         if action.zero_grad:  # (each leaf of a tree block; what is no tensor is left for update to refuse)
             grad = tree.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, param)
             grads_finite = True
-        elif grad is None:
-            raise SofxError(f"block {action.block}: step needs the block's final gradient")
+        elif not tree.leaves(grad):
+            raise SofxError(f"block {action.block}: step needs the block's final gradient{_no_tensor(grad)}")
         new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
                                              donate=donate, grads_finite=grads_finite, param_copies=param_copies,
                                              undoable=False)
