@@ -70,10 +70,14 @@ def leaves(tree: PyTree) -> list[Any]:
 
 
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
-    """Inverse of :func:`flatten` (``spec`` anything but a tree structure, or ``leaves`` no sequence: a ``TypeError``
-    naming it)."""
+    """Inverse of :func:`flatten` (``spec`` anything but a tree structure, or ``leaves`` no sequence -- an iterator
+    is taken; a mapping, a set or a string, whose iteration is no list of the leaves in order, is not -- a
+    ``TypeError`` naming it)."""
     _check_spec("unflatten", spec)
-    if not isinstance(leaves, collections.abc.Iterable):  # (Python's bare "'int' object is not iterable")
+    # (Python's bare "'int' object is not iterable"; a dict's keys, a set's arbitrary order, a str's characters were
+    # taken as the leaves without a word. A list, the common case in every update, is checked by its type alone)
+    if type(leaves) is not list and (not isinstance(leaves, collections.abc.Iterable) or
+                                     isinstance(leaves, (collections.abc.Mapping, collections.abc.Set, str, bytes))):
         raise TypeError(f"unflatten: leaves is a {type(leaves).__name__}, expected a sequence of {spec.num_leaves} "
                         "leaves")
     return optree.tree_unflatten(spec, list(leaves))

@@ -349,6 +349,19 @@ def test_structure_difference_refuses_a_tree_given_as_the_spec_and_unflatten_lea
     assert tree.unflatten(spec, iter([1, 2])) == {"w": 2, "b": [1]}
 
 
+def test_unflatten_refuses_leaves_given_as_a_mapping_a_set_or_a_string():
+    """unflatten's leaves are taken in order (5d30913 refused those that are no sequence, as its docstring says, by
+    iterating them): a dict of leaves gave its keys as the leaves ({'w': 'b', 'b': ['w']}), a set its elements in an
+    arbitrary order, a string its characters, each without a word. A TypeError names what was given; a list, a tuple
+    or an iterator is taken as before."""
+    params = {"w": torch.ones(2), "b": [torch.ones(1)]}
+    spec = tree.flatten(params)[1]
+    for leaves, kind in (({"b": 1, "w": 2}, "dict"), ({1, 2}, "set"), ("ab", "str"), (b"ab", "bytes")):
+        with pytest.raises(TypeError, match=rf"^unflatten: leaves is a {kind}, expected a sequence of 2 leaves"):
+            tree.unflatten(spec, leaves)
+    assert tree.unflatten(spec, (1, 2)) == tree.unflatten(spec, iter([1, 2])) == {"w": 2, "b": [1]}
+
+
 def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
     """A leaf of ``pack`` or the buffer of ``unpack`` that is not a tensor (a list, a number) raised a bare
     AttributeError ("'list' object has no attribute 'numel'", "'int' object has no attribute 'dim'"), and
