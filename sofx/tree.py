@@ -668,9 +668,9 @@ def _refuse_leaves_in_out(leaves: Sequence[torch.Tensor], out: torch.Tensor) -> 
     found = spans.clash(lambda tag: "pack: out" if tag == "out" else f"pack: leaves[{tag}]")
     if found is not None:
         i = found[1] if found[0] == "out" else found[0]
-        raise LeafError(f"pack: leaves[{i}] and out share memory, elsewhere than its own place in out: writing out "
-                        "would change the leaf before it is read (torch.cat(out=) refuses this too); pack into another "
-                        "buffer, or clone the leaf")
+        raise LeafError(f"pack: leaves[{i}] and out share memory, elsewhere than its own place in out: refused as "
+                        "torch.cat(out=) refuses it (out is written as the leaves are read, so that a write may change "
+                        "a leaf before it is read); pack into another buffer, or clone the leaf")
 
 
 def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> list[torch.Tensor]:
