@@ -1162,3 +1162,23 @@ def test_algebraic_refusal_of_something_else_than_hparams_is_named():
         opt.algebraic_refusal("x")
     assert "lr * weight_decay == 1" in opt.algebraic_refusal(sofx.AdamHParams())
     assert opt.algebraic_refusal(sofx.AdamHParams(weight_decay=0.0)) is None
+
+
+@pytest.mark.parametrize("call", ["init", "update", "check_inputs", "undo"])
+def test_a_lazy_modules_uninitialized_parameter_is_refused_naming_the_leaf(call):
+    """A lazy module's parameter before its first forward (``nn.LazyLinear``: an UninitializedParameter, no shape,
+    no data) as a params leaf raised torch's ValueError ('Attempted to use an uninitialized parameter in ...')
+    naming no leaf: a LeafError naming the leaf and what to do, nothing changed."""
+    real = {name: p.detach().clone() for name, p in torch.nn.Linear(3, 2).named_parameters()}
+    opt = sofx.adamw()
+    grads = {name: torch.ones_like(p) for name, p in real.items()}
+    new, state, record = opt.update(real, grads, opt.init(real))
+    lazy = dict(torch.nn.LazyLinear(2).named_parameters())
+    run = {"init": lambda: opt.init(lazy), "update": lambda: opt.update(lazy, grads, state, donate=True),
+           "check_inputs": lambda: opt.check_inputs(lazy, grads, state),
+           "undo": lambda: opt.undo(lazy, state, record, donate=True)}[call]
+    before = _snapshot(grads, state)
+    with pytest.raises(sofx.LeafError, match=r"^params\['bias'\] is an uninitialized parameter \(a lazy module's, "
+                                             r"before its first forward\).*run a forward pass first"):
+        run()
+    _assert_unchanged(before, grads, state)

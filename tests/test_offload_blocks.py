@@ -274,3 +274,13 @@ def test_cpu_arenas_colour_the_page_offsets_of_large_tensors(tmp_path) -> None:
             used = sum(os.fstat(fd).st_size for fd in shared.fds)
             assert 0 < used <= block_nbytes(layout, torch.float32)
     shared.close()
+
+
+def test_check_params_refuses_a_lazy_modules_uninitialized_parameter_naming_it() -> None:
+    """A lazy module's parameter before its first forward (an UninitializedParameter) given to the offload
+    optimizer raised torch's ValueError ('Attempted to use an uninitialized parameter in <method 'numel' ...>')
+    from plan_blocks, naming no parameter: a LeafError naming it and what to do."""
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.LazyLinear(3))
+    with pytest.raises(LeafError, match=r"^param_groups\[0\]\['params'\]\[2\] is an uninitialized parameter \(a "
+                                        r"lazy module's, before its first forward\).*run a forward pass first"):
+        check_params([list(model.parameters())])

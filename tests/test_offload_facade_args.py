@@ -382,3 +382,19 @@ def test_half_precision_hparams_are_refused_as_sofx_adam_refuses_them(kwargs, wh
             opt.backward(((model(x) - y) ** 2).mean())
             opt.step()
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
+def test_a_lazy_modules_uninitialized_parameter_is_refused_at_construction_naming_it():
+    """A model with a lazy module before its first forward: torch.optim.AdamW takes its UninitializedParameter (it
+    fails at the step); the facade, which packs the parameters into blocks at construction, raised torch's
+    ValueError ('Attempted to use an uninitialized parameter in <method 'numel' ...>') naming no parameter: a
+    LeafError naming it and saying to run a forward pass first; after one, it trains."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LazyLinear(2))
+    with pytest.raises(sofx.LeafError, match=r"^param_groups\[0\]\['params'\]\[2\] is an uninitialized parameter "
+                                             r"\(a lazy module's, before its first forward\).*run a forward pass"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
+    x, y = _batch(0)
+    model(x)
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        opt.backward(((model(x) - y) ** 2).mean())
+        assert opt.step().blocks == 1

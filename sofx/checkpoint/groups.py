@@ -37,7 +37,8 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range, refuse_half_precision
+from sofx.adam import (Adam, AdamHParams, _check_param, check_float32_range, refuse_half_precision,
+                       uninitialized_refusal)
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError, LeafError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
@@ -157,8 +158,8 @@ def check_params_template(who: str, leaves: Sequence[Any], paths: Sequence[str])
     """Refuse a leaf of a params template (what an import unpacks the state into, in its dtype) that no update
     steps, as ``opt.init`` refuses it: not a tensor, not floating-point (an int64 or bool leaf took the moments and
     masters cast to it, truncated, without a word), not dense. A :class:`CheckpointError` naming ``who`` and the
-    leaf, before any file or state dict is read."""
-    refuse_uninitialized(who, leaves, paths)
+    leaf, before any file or state dict is read (a lazy module's uninitialized parameter too, as
+    :func:`refuse_uninitialized` refuses it)."""
     for path, p in zip(paths, leaves):
         try:
             _check_param(path, p)
@@ -173,8 +174,7 @@ def refuse_uninitialized(who: str, leaves: Sequence[Any], paths: Sequence[str]) 
     and the leaf."""
     for path, p in zip(paths, leaves):
         if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
-            raise CheckpointError(f"{who}: {path} is an uninitialized parameter (a lazy module's, before its first "
-                                  "forward), which has no shape or data; run a forward pass first")
+            raise CheckpointError(f"{who}: {uninitialized_refusal(path)}")
 
 
 def check_float32_groups(resolved: Sequence[ParamGroup], leaves: Sequence[Any], paths: Sequence[str]) -> None:

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from sofx.adam import uninitialized_refusal
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels.user_numbers import as_integer
 from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS
@@ -168,6 +169,8 @@ def check_params(groups: Sequence[Sequence[torch.Tensor]]) -> torch.device:
             where = f"param_groups[{gi}]['params'][{pi}]"
             if not isinstance(p, torch.Tensor):
                 raise LeafError(f"{where}: expected a tensor, got {type(p).__name__}")
+            if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):  # (torch's ValueError from its numel())
+                raise LeafError(uninitialized_refusal(where))
             if not p.is_leaf:
                 raise LeafError(f"{where}: can't optimize a non-leaf tensor")
             if p.dtype == torch.float64:
