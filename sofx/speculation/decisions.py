@@ -55,6 +55,7 @@ from sofx.serial import (StepFacts, _facts_without_gradients, _keyword_names, _m
 from sofx.speculation.policy import AdaptivePolicy, PolicyState, checked_policy_state
 from sofx.step_report import StepReport
 from sofx.transforms import MISSING_GRAD_MODES, total_sumsq
+from sofx.undo_record import STRATEGIES
 
 __all__ = [
     "SpeculationConfig",
@@ -667,6 +668,12 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
         eligible = flag(f"{where} eligible", fact_value(el.eligible, f"{where} eligible", SofxError), SofxError)
         el_bytes = integer(f"{where} snapshot_bytes", el.snapshot_bytes, 0, SofxError)
         strategy = el.strategy
+        if not (strategy is None or (type(strategy) is str and strategy in STRATEGIES)):  # (taken into the decision)
+            raise SofxError(f"{where} strategy = {strategy!r:.80} is invalid; expected None or one of {STRATEGIES} "
+                            f"(an undo record's), got {_described(strategy)}")
+        if type(el.reason) is not str:  # (a number or None became the decision's reason, and the plan's action's)
+            raise SofxError(f"{where} reason = {el.reason!r:.80} is invalid; expected a str (why), got "
+                            f"{_described(el.reason)}")
         budget = ctx.config.snapshot_budget_bytes
         if not eligible:
             kind, reason = "ineligible", el.reason
