@@ -3174,6 +3174,24 @@ def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
     assert all(torch.equal(a, b) for a, b in zip(p1, want)) and [int(c) for c in s1.count] == [1, 1]
 
 
+@pytest.mark.parametrize("zero_grad", ["no", 0, None])
+def test_a_step_action_whose_zero_grad_is_no_bool_is_refused_and_writes_nothing(rng, zero_grad):
+    """A step action made by hand (or its ``_replace``) with ``zero_grad="no"`` was read by its truth: the block
+    was stepped with zeros in place of its gradient, without a word (0 and None as False). A SofxError names the
+    block, the field and its value, nothing written and the action still to apply; numpy bools are bools."""
+    opt = sofx.adamw(lr=1e-2)
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state = opt.init(param)
+    action = sp.BlockAction(0, "step", "stepped late", 1.0, opt.defaults, zero_grad=zero_grad)
+    p = param.clone()
+    with pytest.raises(sofx.SofxError, match=rf"^apply_block_action: block 0: action\.zero_grad = {zero_grad!r} is "
+                                             r"invalid; expected a bool"):
+        sp.apply_block_action(opt, action, p, grad, state, donate=True)
+    assert torch.equal(p, param) and int(state.count) == 0 and not action.applied_cell()[0]
+    p1, s1 = sp.apply_block_action(opt, action._replace(zero_grad=np.bool_(False)), p, grad, state)
+    assert torch.equal(p1, opt.update(param, grad, state)[0]) and int(s1.count) == 1
+
+
 def test_speculative_block_step_without_a_gradient_is_refused_before_the_decision_is_used(rng):
     """A speculative step given ``grad=None`` (or a tree of Nones: no gradient at all) took no step -- Adam leaves a
     leaf without gradient as it is -- yet used the decision and returned a record: validation then committed a step

@@ -23,7 +23,7 @@ import torch
 from sofx import tree
 from sofx.adam import Adam, AdamHParams, AdamState, not_an_adam_state, validate_grads_finite
 from sofx.errors import LeafError, SofxError, UnsupportedError
-from sofx.kernels.user_numbers import integer
+from sofx.kernels.user_numbers import flag, integer
 from sofx.serial import check_opt
 from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility, StepContext
 from sofx.transforms import sumsq
@@ -300,7 +300,10 @@ def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad:
                                                 undoable=False)
         return new_param, new_state
     if kind == "step":
-        if action.zero_grad:  # (each leaf of a tree block; what is no tensor is left for update to refuse)
+        zero_grad = action.zero_grad
+        if zero_grad is not False and zero_grad is not True:  # (one made by hand: "no" stepped zeros in place of grad)
+            zero_grad = flag(f"apply_block_action: block {action.block}: action.zero_grad", zero_grad, SofxError)
+        if zero_grad:  # (each leaf of a tree block; what is no tensor is left for update to refuse)
             grad = tree.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, param)
             grads_finite = True
         elif not tree.leaves(grad):
