@@ -57,6 +57,7 @@ finite, and otherwise writes the nan of ``0 * inf`` into the parameters.
 
 from __future__ import annotations
 
+import collections.abc
 import difflib
 import inspect
 import math
@@ -70,7 +71,7 @@ from sofx.adam import Adam, AdamState, hparams_at
 from sofx.apply_if_finite import ApplyIfFinite
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import as_number
-from sofx.kernels.user_numbers import integer, is_bool, real_number
+from sofx.kernels.user_numbers import fact_value, integer, is_bool, real_number
 from sofx.loss_scale import (FLOAT32_MAX, LossScaler, LossScaleRuleError, LossScaleState, call_rule, check_scaler,
                              check_state_kind, inverse_scale)
 from sofx.required import REQUIRED
@@ -181,8 +182,46 @@ def local_sumsq(total: float, present: Sequence[bool]) -> float:
     ``-0.0`` is IEEE addition's identity (``-0.0 + x = x`` for every ``x``, ``+0.0`` included), and a sum of
     squares of gradients is otherwise ``+0.0`` or more: a hook that adds the ranks' values returns ``-0.0``
     exactly where no rank has a gradient (:func:`without_gradients`); every other sum keeps its bits.
+
+    ``total`` is a sum of squares (a Python or numpy number >= 0, inf or nan, or a 1-element tensor: read as its
+    float; a ``-0.0`` is ``+0.0``, which says the rank has gradients), ``present`` a sequence of bools (Python's or
+    numpy's, or 0-d bool tensors); anything else is refused, an :class:`HParamError` naming it (``"x"`` came back as
+    ``"x"``, a negative total lowered the ranks' sum, ``present="no"`` was read as a gradient).
     """
-    return total if any(present) else -0.0
+    if type(total) is not float or total < 0:
+        f = _nonnegative_float(total, "local_sumsq: total")
+        if f is None:
+            raise HParamError(f"local_sumsq: total = {total!r:.80} is invalid; expected a sum of squares >= 0 (inf "
+                              "or nan where a gradient is not finite: a Python or numpy number, or a 1-element "
+                              f"tensor), got {type(total).__name__}")
+        total = f
+    return total + 0.0 if _any_present(present) else -0.0  # (+ 0.0: a -0.0 total is +0.0)
+
+
+def _any_present(present: Any) -> bool:
+    """:func:`local_sumsq`'s ``any(present)``, each entry a bool (a Python or numpy one, or a 0-d bool tensor)."""
+    if type(present) not in (list, tuple):
+        if isinstance(present, (str, bytes, Mapping)) or not isinstance(present, collections.abc.Iterable):
+            raise HParamError(f"local_sumsq: present = {present!r:.80} is invalid; expected a sequence of bools "
+                              f"(whether each leaf or block has a gradient), got {type(present).__name__}")
+        present = list(present)
+    found = False
+    for x in present:  # (~20 ns an entry: the common case, Python bools)
+        if x is True:
+            found = True
+        elif x is not False:
+            break
+    else:
+        return found
+    found = False
+    for i, x in enumerate(present):
+        if x is not True and x is not False:
+            x = fact_value(x, f"local_sumsq: present[{i}]")
+            if not is_bool(x):
+                raise HParamError(f"local_sumsq: present[{i}] = {x!r:.80} is invalid; expected a bool (whether the "
+                                  f"leaf or block has a gradient), got {type(x).__name__}")
+        found = found or bool(x)
+    return found
 
 
 def without_gradients(total: float) -> bool:

@@ -210,6 +210,30 @@ def test_step_facts_refuses_what_is_no_sum_of_squares_naming_it(bad, kind):
                                                                                 1.0)
 
 
+@pytest.mark.parametrize("bad, kind", [("x", "str"), (None, "NoneType"), (True, "bool"), (-1.0, "float")])
+def test_local_sumsq_refuses_what_is_no_sum_of_squares_naming_it(bad, kind):
+    """sofx.serial.local_sumsq (what a rank passes to reduce_sumsq) returned its total unchecked: "x" came back as
+    "x" (a hook then summed strings), a negative one lowered the ranks' sum; a ``present`` of no bools was read by
+    its truth ("no" as a gradient), an int Python's bare "'int' object is not iterable". Refused, an HParamError
+    naming local_sumsq and what was given; numpy numbers and 1-element tensors are read as their float, a -0.0
+    total of a rank with gradients is +0.0 (-0.0 says the rank has none: without_gradients)."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(sofx.HParamError, match=rf"^local_sumsq: total = .* is invalid; expected a sum of squares "
+                                               rf">= 0 .*got {kind}"):
+        sofx.serial.local_sumsq(bad, [True])
+    for present, words in (("no", r"present = 'no' is invalid; expected a sequence of bools"),
+                           (3, r"present = 3 is invalid; expected a sequence of bools"),
+                           ([True, "no"], r"present\[1\] = 'no' is invalid; expected a bool")):
+        with pytest.raises(sofx.HParamError, match=rf"^local_sumsq: {words}"):
+            sofx.serial.local_sumsq(4.0, present)
+    for same in (np.float32(4.0), torch.tensor([4.0]), 4):
+        got = sofx.serial.local_sumsq(same, [np.bool_(False), True])
+        assert type(got) is float and got == 4.0
+    assert math.copysign(1.0, sofx.serial.local_sumsq(-0.0, (True,))) == 1.0
+    assert sofx.serial.without_gradients(sofx.serial.local_sumsq(0.0, [False, False]))
+    assert math.isnan(sofx.serial.local_sumsq(math.nan, [True]))
+
+
 def test_a_reduce_sumsq_returning_an_int_beyond_the_float_range_is_an_overflow():
     """A reduce_sumsq hook that returned an int beyond the float range (a sum over ranks kept in Python ints)
     raised Python's bare OverflowError ("int too large to convert to float"); it is the float inf, as total_sumsq
