@@ -479,7 +479,18 @@ def can_unscale(scale: float) -> bool:
 
     ``torch.amp.GradScaler``'s scale reaches 0 after about 166 overflows in a row (it halves a float32);
     a step at such a scale is an overflow (:func:`step_facts`): skipped, and the scale backs off again.
+    A numpy number or a 1-element tensor is read as its float; what is no real number is refused, an
+    :class:`HParamError` naming it (a str raised Python's bare TypeError, a tensor gave a tensor).
     """
+    if type(scale) is not float:
+        x = real_number(scale, "can_unscale: scale")
+        if not isinstance(x, numbers.Real) or is_bool(x):
+            raise HParamError(f"can_unscale: scale = {scale!r:.80} is invalid; expected a loss scale, a real number (a "
+                              f"Python or numpy number, or a 1-element tensor), got {type(scale).__name__}")
+        try:
+            scale = float(x)
+        except OverflowError:  # an int beyond the float range
+            scale = math.inf
     return scale > 0 and 1.0 / scale <= FLOAT32_MAX
 
 

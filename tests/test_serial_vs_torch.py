@@ -234,6 +234,21 @@ def test_local_sumsq_refuses_what_is_no_sum_of_squares_naming_it(bad, kind):
     assert math.isnan(sofx.serial.local_sumsq(math.nan, [True]))
 
 
+def test_can_unscale_refuses_what_is_no_scale_and_reads_numbers_as_floats():
+    """sofx.serial.can_unscale("x") raised Python's bare TypeError ("'>' not supported between instances of 'str'
+    and 'int'"), can_unscale(None) too; a tensor scale gave a tensor, not a bool. An HParamError names can_unscale
+    and what was given; numpy numbers and 1-element tensors are read as their float."""
+    np = pytest.importorskip("numpy")
+    for bad, kind in (("x", "str"), (None, "NoneType"), (True, "bool")):
+        with pytest.raises(sofx.HParamError, match=rf"^can_unscale: scale = .* is invalid; expected a loss scale, a "
+                                                   rf"real number .*got {kind}"):
+            sofx.serial.can_unscale(bad)
+    for scale, want in ((np.float32(2.0), True), (torch.tensor(2.0), True), (0, False), (torch.tensor([0.0]), False),
+                        (2.0 ** -128, False), (-1.0, False)):
+        got = sofx.serial.can_unscale(scale)
+        assert type(got) is bool and got is want, scale
+
+
 def test_a_reduce_sumsq_returning_an_int_beyond_the_float_range_is_an_overflow():
     """A reduce_sumsq hook that returned an int beyond the float range (a sum over ranks kept in Python ints)
     raised Python's bare OverflowError ("int too large to convert to float"); it is the float inf, as total_sumsq
