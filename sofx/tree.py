@@ -89,7 +89,11 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     Each tree of ``rest`` is matched against ``tree``'s structure as :func:`flatten_up_to` matches it (anything,
     ``None`` included, where ``tree`` has a leaf; ``None`` for a subtree without leaves; a mapping key by key):
     one that departs is refused, a :class:`StructureError` naming the first place (from ``rest[k]``), before
-    ``fn`` is called."""
+    ``fn`` is called. An ``fn`` that is not callable is a ``TypeError`` naming it (Python's bare "'int' object is
+    not callable" from inside optree; over a tree without leaves no word at all)."""
+    if not callable(fn):
+        swapped = " (the arguments swapped? tree_map(fn, tree))" if callable(tree) else ""
+        raise TypeError(f"tree_map: fn is a {type(fn).__name__} ({fn!r:.80}), expected a callable{swapped}")
     if not rest:
         return optree.tree_map(fn, tree)
     leaves, spec = optree.tree_flatten(tree)

@@ -501,3 +501,18 @@ def test_tree_map_over_trees_of_other_structures_names_the_first_difference():
     got = tree.tree_map(add, a, b)
     assert list(got) == list(a) and got["empty"] == []
     assert torch.equal(got["w"], torch.full((2,), 2.0)) and torch.equal(got["b"], torch.zeros(1))
+
+
+def test_tree_map_with_an_fn_that_is_not_callable_names_it_even_over_an_empty_tree():
+    """tree_map(3, tree) raised Python's bare "'int' object is not callable" from inside optree, and over a tree
+    without leaves returned it without a word; tree_map(tree, fn) (the arguments swapped) said "'dict' object is
+    not callable". A TypeError names tree_map and what was given (and the order, where the tree is callable)."""
+    params = {"w": torch.ones(2)}
+    for fn, tr in ((3, params), (3, {}), (None, [])):
+        with pytest.raises(TypeError, match=rf"^tree_map: fn is a {type(fn).__name__} \({fn!r}\), expected a "
+                                            r"callable"):
+            tree.tree_map(fn, tr)
+        with pytest.raises(TypeError, match=r"^tree_map: fn is a"):
+            tree.tree_map(fn, tr, tr)
+    with pytest.raises(TypeError, match=r"^tree_map: fn is a dict .*expected a callable.*tree_map\(fn, tree\)"):
+        tree.tree_map(params, torch.neg)
