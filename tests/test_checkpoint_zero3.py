@@ -824,6 +824,30 @@ def test_an_int_key_too_long_for_decimal_text_is_named_in_hex_and_round_trips(tm
     assert _bits_equal((p2, s2), (params, state))
 
 
+@pytest.mark.parametrize("shape", [5, None, "3", [2.5], [True], [-1]])
+def test_a_model_states_shape_that_is_no_shape_is_a_corrupt_file_naming_it(tmp_path, shape):
+    """A param_shapes entry of the model states file whose shape is no sequence of sizes (a damaged file): an int
+    or None raised Python's bare TypeError from tuple(shape), a str was compared as its characters ('has shape
+    ('3',) in the checkpoint': a mismatch, not damage). A CorruptCheckpointError names the file, the entry, the
+    parameter and the value; a list of ints (not a torch.Size) is read as before."""
+    opt = sofx.adamw()
+    params = _params()
+    ck.save_zero3(tmp_path, opt, params, opt.init(params), HP, model_states=True, deepspeed_objects=False)
+    path = tmp_path / zero3.model_states_file_name(0)
+    good = torch.load(path, weights_only=True)
+    name = next(iter(good["param_shapes"][1]))
+    top = torch.load(path, weights_only=True)
+    top["param_shapes"][1][name] = shape
+    torch.save(top, path)
+    entry, got = rf"param_shapes\[1\]\[{re.escape(repr(name))}\]", re.escape(repr(shape))
+    with pytest.raises(ck.CorruptCheckpointError, match=rf"_model_states\.pt: {entry}: expected a shape \(a "
+                                                        rf"sequence of sizes, ints >= 0\), got {got}"):
+        ck.load_zero3(tmp_path, opt, params, HP)
+    good["param_shapes"][1][name] = list(good["param_shapes"][1][name])
+    torch.save(good, path)
+    ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def _damaged_torch_file(path, pickle_bytes):
     """A torch.save zip whose data.pkl is ``pickle_bytes`` (damaged: not what torch.save writes)."""
     import zipfile

@@ -830,6 +830,10 @@ def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
                 raise CheckpointMismatchError(
                     f"{path}: parameter {name!r} (param_shapes[{gi}]) is not a leaf of the params tree; its leaves "
                     f"are named {names[:6]}{' ...' if len(names) > 6 else ''} (tree paths joined by dots)")
+            if not (isinstance(shape, (list, tuple)) and all(type(d) is int and d >= 0 for d in shape)):
+                # (an int or None raised Python's bare TypeError from tuple(); a str was compared by its characters)
+                raise CorruptCheckpointError(f"{path}: param_shapes[{gi}][{name!r}]: expected a shape (a sequence of "
+                                             f"sizes, ints >= 0), got {shape!r:.80}")
             i = index[name]
             if tuple(p_leaves[i].shape) != tuple(shape):
                 raise CheckpointMismatchError(f"{path}: parameter {name!r} has shape {tuple(shape)} in the checkpoint, "
