@@ -955,13 +955,17 @@ def test_a_file_of_the_right_pickle_but_wrong_types_is_a_checkpoint_error(tmp_pa
 
 
 @pytest.mark.parametrize("key, value", [("bias_correction", "True"), ("bias_correction", torch.tensor([True, True])),
-                                        ("adam_w_mode", "False"), ("decoupled_weight_decay", torch.tensor([1, 1])),
+                                        ("bias_correction", None), ("adam_w_mode", "False"),
+                                        ("decoupled_weight_decay", torch.tensor([1, 1])),
                                         ("amsgrad", torch.tensor([0, 0])), ("maximize", 0.5)])
 def test_a_file_option_that_is_no_flag_is_a_corrupt_file_naming_it(tmp_path, key, value):
     """A param group's bias_correction, amsgrad, maximize, decoupled_weight_decay or adam_w_mode that is no True or
     False (a damaged file): a str was read by bool() ("False" as true: taken as decoupled; bias_correction "True"
     refused as 'bias_correction=True, the optimizer has True') and a tensor of two elements raised torch's bare
-    RuntimeError. Each is a CorruptCheckpointError naming the block, the key and the value."""
+    RuntimeError; a bias_correction of None was refused as 'bias_correction=None, the optimizer has True' (an
+    UnsupportedError: the optimizer's, not the file's). Each is a CorruptCheckpointError naming the block, the key
+    and the value, as from_torch_optim refuses them (None says nothing of the other options, as there; a group
+    without bias_correction is bias-corrected)."""
     opt, params = _saved_with_group_entry(tmp_path, key, value)
     with pytest.raises(ck.CorruptCheckpointError, match=rf"block 1 .*param_groups\[1\]\['{key}'\]: expected True "
                                                         rf"or False, got {re.escape(repr(value)[:20])}"):

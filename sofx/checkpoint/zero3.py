@@ -844,7 +844,8 @@ def _groups_from_model_states(directory: str, mp_rank: int, params: Any,
 
 
 # A file's param group options read as on/off (torch.optim's, DeepSpeed's Adam's and FusedAdam's): each a bool
-# (Python's or numpy's) or the int 0 or 1 where a group holds it (None: not said)
+# (Python's or numpy's) or the int 0 or 1 where a group holds it (None: not said, but of bias_correction, which
+# DeepSpeed's Adam always writes: a group without it is bias-corrected)
 _FLAG_KEYS = ("bias_correction", "amsgrad", "maximize", "decoupled_weight_decay", "adam_w_mode")
 
 
@@ -907,7 +908,10 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
                                          "one")
         gi = next(i for i, group in enumerate(saved_groups) if group is saved)
         for key in _FLAG_KEYS:  # (bool() took "False" as true; a tensor of two raised torch's bare RuntimeError)
-            if saved.get(key) is not None and not is_saved_flag(saved[key]):
+            # (a bias_correction of None is no flag either, as from_torch_optim reads it: it was refused as the
+            # optimizer's 'bias_correction=None, the optimizer has True')
+            if key in saved and (saved[key] is not None or key == "bias_correction") \
+                    and not is_saved_flag(saved[key]):
                 raise CorruptCheckpointError(f"{where}: param_groups[{gi}]['{key}']: expected True or False, got "
                                              f"{saved[key]!r:.80}")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
