@@ -1175,3 +1175,26 @@ def test_a_lazy_modules_uninitialized_parameter_is_refused_naming_the_leaf():
         with pytest.raises(ck.CheckpointError, match=rf"^{who}: params\['bias'\] is an uninitialized parameter \(a "
                                                      r"lazy module's"):
             call()
+
+
+@pytest.mark.skipif(np.finfo(np.longdouble).eps == np.finfo(np.float64).eps, reason="longdouble is a double here")
+def test_a_longdouble_hparam_no_float_holds_is_refused_as_the_checkpoint_codec_refuses_it():
+    """A saved group's numpy longdouble lr or beta (a scheduler's arithmetic in it, which torch's step computed
+    with) that no Python float holds exactly was rounded to the nearest float by from_torch_optim without a word,
+    where sofx.checkpoint's codec refuses to store it. A CheckpointError names the entry and the value; a
+    longdouble a float holds exactly (0.5) imports as that float."""
+    third = np.longdouble(1) / np.longdouble(3)
+    assert float(third) != third
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0]["lr"] = third
+    with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['lr'\]: a numpy\.longdouble "
+                                                 r".* that no Python float holds exactly"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    sd["param_groups"][0]["betas"] = (np.array([third]), 0.999)
+    sd["param_groups"][0]["lr"] = 0.01
+    with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]\['betas'\]\[0\]: a "
+                                                 r"numpy\.longdouble"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    sd["param_groups"][0]["betas"] = (0.9, 0.999)
+    sd["param_groups"][0]["lr"] = np.longdouble(0.5)
+    assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].lr == 0.5

@@ -94,6 +94,17 @@ def one_element(x: Any) -> Any:
     return x
 
 
+def _refuse_inexact(x: Any, label: str, error: type[CheckpointError]) -> None:
+    """Refuse a saved numpy float ``x`` that no Python float holds exactly (a ``longdouble``'s extra digits:
+    ``float()`` rounded them off without a word), as :mod:`sofx.checkpoint.codec` refuses to store one: ``error``
+    naming ``label`` and the value."""
+    if type(x).__module__ == "numpy" and isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral) \
+            and float(x) != x and x == x:  # (nan is no number to round)
+        raise error(f"{label}: a numpy.{type(x).__name__} {x!r:.60} that no Python float holds exactly cannot be "
+                    f"read without rounding (sofx steps with Python floats); store float(x) ({float(x)!r}) if that "
+                    "is meant")
+
+
 def is_saved_flag(x: Any) -> bool:
     """Whether ``x`` is a saved on/off option of a param group: a bool (Python's or numpy's) or the int 0 or 1 (a
     string such as ``"False"`` is true to ``not``)."""
@@ -118,7 +129,8 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     a ZeRO-3 file's), whose for-loop step computes with a float16 or bfloat16 lr, beta or weight_decay in that
     precision: such a value is ``range_error`` too, as :meth:`~sofx.Adam.update` refuses it
     (:func:`~sofx.adam.refuse_half_precision`; read as the float it holds, the run went on with another step than
-    torch's)."""
+    torch's). So is a numpy ``longdouble`` that no float holds exactly (rounded without a word; the checkpoint
+    codec refuses to store one)."""
     betas = group.get("betas") if isinstance(group, dict) else None
     if isinstance(betas, torch.Tensor) and not in_storage(betas):  # (taken apart below: torch's bare RuntimeError)
         refuse_short_storage(betas, f"{at}['betas']", error)
@@ -137,6 +149,7 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
                     refuse_half_precision(field, one_element(x), "", label=f"{at}{name}")
             except HParamError as exc:
                 raise range_error(str(exc)) from None
+        _refuse_inexact(one_element(x), f"{at}{name}", range_error)
         v = as_number(one_element(x), f"{at}{name}", error)
         if not (is_number(v) and isinstance(v, numbers.Real)):  # (a complex is a number float() refuses)
             raise error(f"{at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
