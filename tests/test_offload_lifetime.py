@@ -813,3 +813,18 @@ def test_reading_the_state_of_a_process_executor_optimizer_after_the_exit_closed
     said = "SofxError {}: the optimizer was closed at interpreter exit (or as it was collected), dropping its state"
     assert out.stdout.splitlines() == ["state refused: " + said.format("opt.state[p]"),
                                        "state_dict refused: " + said.format("state_dict()")], (out.stdout, out.stderr)
+
+
+def test_setting_speculate_on_a_closed_optimizer_is_refused_as_its_other_calls_are() -> None:
+    """``opt.speculate = False`` after close() was taken without a word (the setting changed, nothing to step with
+    it), where zero_grad(), reload_params() and load_state_dict() refuse a closed optimizer: refused the same way,
+    the setting as it was (still readable)."""
+    model = torch.nn.Linear(3, 2)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
+    opt.close()
+    for on in (False, True):
+        with pytest.raises(SofxError, match=r"^the optimizer is closed$"):
+            opt.speculate = on
+    assert opt.speculate is True
+    with pytest.raises(SofxError, match=r"^the optimizer is closed$"):
+        opt.zero_grad()

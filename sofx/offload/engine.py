@@ -619,7 +619,9 @@ class OffloadEngine:
         The setting changes a step's bits (a block speculated and redone is the serial step within float32
         rounding), so under ``ddp`` a change makes the ranks compare their settings at the next step (see
         :func:`~sofx.offload.engine_state.settings_text`): set on one rank alone, that step is refused on every
-        rank, naming each rank's setting; set the same on every rank, it steps on."""
+        rank, naming each rank's setting; set the same on every rank, it steps on. Refused on a closed engine (or
+        one that cannot step: :meth:`_check_usable`), as its other calls are."""
+        self._check_usable()
         if enabled == self.speculation.enabled:
             return
         self.speculation = dataclasses.replace(self.speculation, enabled=enabled)

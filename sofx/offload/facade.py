@@ -1089,8 +1089,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     @property
     def speculate(self) -> bool:
-        """Whether blocks are speculated during backward (settable between steps; under ``ddp`` set on every rank:
-        a rank's setting alone makes the next ``step()`` raise on every rank, naming each rank's)."""
+        """Whether blocks are speculated during backward (settable between steps, not after ``close()``; under
+        ``ddp`` set on every rank: a rank's setting alone makes the next ``step()`` raise on every rank, naming each
+        rank's)."""
         return self.engine.speculation.enabled
 
     @speculate.setter
