@@ -1307,6 +1307,23 @@ def test_a_decision_made_by_hand_with_a_budget_that_is_no_count_is_refused_namin
     assert torch.equal(param, before) and int(state.count) == 0
 
 
+@pytest.mark.parametrize("bad", ["no", 1, None])
+def test_a_decision_made_by_hand_whose_speculate_is_no_bool_is_refused_naming_it(rng, bad):
+    """speculative_block_step read a decision's speculate by its truth: a decision made by hand (or its _replace)
+    with speculate="no" took the speculative step without a word (None was refused as 'not chosen', 1 taken). A
+    SofxError names the block and the field, nothing written, the decision unused; numpy bools are bools."""
+    opt = sofx.adamw(lr=1e-2)
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
+    state, before = opt.init(param), param.clone()
+    decision = sp.BlockDecision(0, bad, "speculate", "", AdamHParams(), 1.0)
+    with pytest.raises(sofx.SofxError, match=rf"^speculative_block_step: block 0: decision\.speculate = {bad!r} is "
+                                             r"invalid; expected a bool"):
+        sp.speculative_block_step(opt, param, grad, state, decision, donate=True)
+    assert torch.equal(param, before) and int(state.count) == 0 and not decision.used_cell()[0]
+    ok = sp.BlockDecision(0, np.bool_(True), "speculate", "", AdamHParams(), 1.0)
+    assert int(sp.speculative_block_step(opt, param, grad, state, ok)[1].count) == 1
+
+
 def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     """begin_step, block_eligibility, speculative_block_step and apply_block_action take a sofx.Adam, as the loops
     do (sofx.serial.check_opt). Before, an apply_if_finite wrapper raised "AttributeError: 'ApplyIfFinite' object

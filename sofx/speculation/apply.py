@@ -126,7 +126,10 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     if not isinstance(decision, BlockDecision):
         raise SofxError(f"speculative_block_step: decision is a {type(decision).__name__}; expected the BlockDecision "
                         "on_block_ready returned for the block")
-    if not decision.speculate:
+    speculate = decision.speculate
+    if speculate is not True and speculate is not False:  # (one made by hand: "no" took the step)
+        speculate = flag(f"speculative_block_step: block {decision.block}: decision.speculate", speculate, SofxError)
+    if not speculate:
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
     if ctx is not None:
         if not isinstance(ctx, StepContext):
