@@ -284,3 +284,20 @@ def test_check_params_refuses_a_lazy_modules_uninitialized_parameter_naming_it()
     with pytest.raises(LeafError, match=r"^param_groups\[0\]\['params'\]\[2\] is an uninitialized parameter \(a "
                                         r"lazy module's, before its first forward\).*run a forward pass first"):
         check_params([list(model.parameters())])
+
+
+def test_check_params_refuses_a_parameter_without_dense_data_naming_it() -> None:
+    """A sparse, nested or meta parameter given to the offload optimizer raised torch's bare errors from its
+    constructor ('reshape is not implemented for sparse tensors', 'Internal error: NestedTensorImpl doesn't support
+    sizes', 'Cannot copy out of meta tensor; no data!'), naming no parameter: the engine packs each parameter's
+    dense data into flat blocks. A LeafError names the parameter and what it is."""
+    import warnings
+
+    with warnings.catch_warnings():  # (torch's warning that nested tensors are a prototype)
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+    dense = torch.nn.Parameter(torch.zeros(2))
+    for bad, what in ((torch.zeros(3, 3).to_sparse(), r"a tensor of layout torch\.sparse_coo"),
+                      (nested, r"a nested tensor"), (torch.zeros(3, device="meta"), r"on the meta device")):
+        with pytest.raises(LeafError, match=rf"^param_groups\[0\]\['params'\]\[1\]: .*{what}"):
+            check_params([[dense, torch.nn.Parameter(bad)]])

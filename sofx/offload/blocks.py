@@ -171,6 +171,17 @@ def check_params(groups: Sequence[Sequence[torch.Tensor]]) -> torch.device:
                 raise LeafError(f"{where}: expected a tensor, got {type(p).__name__}")
             if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):  # (torch's ValueError from its numel())
                 raise LeafError(uninitialized_refusal(where))
+            # (no dense data to pack into a block: torch's bare errors from the constructor's reshape or copy)
+            if p.is_nested:  # (of strided layout too: it has no shape, torch's "Internal error" said)
+                raise LeafError(f"{where}: a nested tensor has no dense data to offload; nested parameters are not "
+                                "supported")
+            if p.layout != torch.strided:
+                raise LeafError(f"{where}: a tensor of layout {p.layout} has no dense data to offload; sparse "
+                                "parameters are not supported (convert it to dense)")
+            if p.is_meta:
+                raise LeafError(f"{where}: a tensor on the meta device holds no data to offload (a model built on "
+                                "'meta': materialize its parameters first, e.g. model.to_empty(device=...) and "
+                                "initialize them)")
             if not p.is_leaf:
                 raise LeafError(f"{where}: can't optimize a non-leaf tensor")
             if p.dtype == torch.float64:
