@@ -42,6 +42,7 @@ absent), ``S`` the loss scale and ``c`` the max norm (a number >= 0, inf include
 
 from __future__ import annotations
 
+import collections.abc
 import inspect
 import math
 import numbers
@@ -187,8 +188,14 @@ def total_sumsq(block_sumsq: Sequence[float | None]) -> float:
 
     Each ``s_b`` is a sum of squares: a number >= 0, inf or nan (a non-finite gradient's); a Python or numpy
     number, or a 1-element tensor whose value can be read. Anything else (a negative sum, which made the norm wrong
-    without a word; a str, Python's bare TypeError) is refused, an :class:`HParamError` naming its index.
+    without a word; a str, Python's bare TypeError) is refused, an :class:`HParamError` naming its index; so is a
+    ``block_sumsq`` that is no sequence (a total, ``4.0``, or ``None``: Python's bare "'float' object is not
+    iterable"; a str was summed by its characters).
     """
+    if type(block_sumsq) is not list and (isinstance(block_sumsq, (str, bytes))
+                                          or not isinstance(block_sumsq, collections.abc.Iterable)):
+        raise HParamError(f"total_sumsq: block_sumsq = {block_sumsq!r:.80} ({type(block_sumsq).__name__}) is invalid; "
+                          "expected a sequence of the blocks' sums of squares (None: a block without gradient)")
     total = 0.0
     for i, s in enumerate(block_sumsq):
         if s is not None:

@@ -377,6 +377,17 @@ def test_total_sumsq_refuses_what_is_no_sum_of_squares_naming_its_index(bad, kin
     assert tx.total_sumsq([math.inf, 1.0]) == math.inf and math.isnan(tx.total_sumsq([1.0, math.nan]))
 
 
+@pytest.mark.parametrize("bad, kind", [(4.0, "float"), (None, "NoneType"), ("4.0", "str")])
+def test_total_sumsq_of_something_else_than_a_sequence_of_block_sums_is_refused_naming_it(bad, kind):
+    """total_sumsq(4.0) (a total where the blocks' sums are taken) or None raised Python's bare "'float' object is
+    not iterable"; a str was summed by its characters, refused as block_sumsq[0] = '4'. An HParamError names
+    block_sumsq and what was given; a tuple or a generator of sums is summed as a list."""
+    with pytest.raises(HParamError, match=rf"^total_sumsq: block_sumsq = .* \({kind}\) is invalid; expected a "
+                                          r"sequence of the blocks' sums of squares"):
+        tx.total_sumsq(bad)
+    assert tx.total_sumsq((1.0, None, 2.0)) == tx.total_sumsq(s for s in [1.0, 2.0]) == 3.0
+
+
 def test_label_params_refuses_a_none_or_container_label_naming_the_leaf():
     """A label_fn returning None ("no special group") dropped the leaf from the labels tree: group_hparams then
     gave it the optimizer's defaults, not ``base`` (its scheduled lr was ignored); a tuple became a subtree."""
