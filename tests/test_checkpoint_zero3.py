@@ -972,6 +972,23 @@ def test_a_file_option_that_is_no_flag_is_a_corrupt_file_naming_it(tmp_path, key
         ck.load_zero3(tmp_path, opt, params, HP)
 
 
+def test_an_adam_w_mode_behind_a_decoupled_weight_decay_of_none_is_read(tmp_path):
+    """A group holding decoupled_weight_decay=None (not said) and adam_w_mode=True (DeepSpeed's word for AdamW) was
+    read as saying nothing: the entry of None hid adam_w_mode, and the decoupled file loaded into sofx.adam (L2
+    weight decay) without a word. None says nothing, so adam_w_mode is read: refused as a file of another decay
+    mode; a group whose adam_w_mode agrees loads."""
+    opt, params = _saved_with_group_entry(tmp_path, "decoupled_weight_decay", None)
+    path = os.path.join(tmp_path, zero3.zero3_file_name(0, 0))
+    top = torch.load(path, weights_only=True)
+    top["optimizer_state_dict"]["optimizer_state_dict"]["param_groups"][1]["adam_w_mode"] = True
+    del top["sofx"]  # (DeepSpeed's file: no sofx notes saying the mode)
+    torch.save(top, path)
+    with pytest.raises(UnsupportedError, match=r"block 1 .*the file's optimizer has decoupled weight decay=True, "
+                                               r"this one False"):
+        ck.load_zero3(tmp_path, sofx.adam(), params, HP)
+    ck.load_zero3(tmp_path, opt, params, HP)
+
+
 def test_a_step_kept_in_the_param_group_as_deepspeeds_fused_adam_keeps_it_is_read(tmp_path):
     """DeepSpeed's FusedAdam (ZeRO-3 without CPU offload) kept the step count in its param group
     (``group['step']``), not in each flat block's state entry, and initializes an entry's step from it: a file

@@ -921,7 +921,9 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
         if refused is not None:
             raise UnsupportedError(f"{where}: {refused}={saved[refused]!r} is not supported (only torch.optim's "
                                    "default, False)")
-        decoupled = saved.get("decoupled_weight_decay", saved.get("adam_w_mode"))
+        decoupled = saved.get("decoupled_weight_decay")
+        if decoupled is None:  # (None says nothing: an entry of None hid DeepSpeed's adam_w_mode)
+            decoupled = saved.get("adam_w_mode")
         if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
             raise UnsupportedError(f"{where}: the file's optimizer has decoupled weight decay={bool(decoupled)}, "
                                    f"this one {opt.variant.decoupled}")
