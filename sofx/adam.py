@@ -915,6 +915,9 @@ class Adam:
         ``undo='algebraic'`` are not checked (a speculation layer does not speculate such a leaf).
         """
         donate = _validate_donate(donate)
+        # (options, read by their truth before: zero_missing="no" checked the leaves without gradient as stepped)
+        zero_missing = flag("zero_missing", zero_missing, UnsupportedError)
+        check_undo = flag("check_undo", check_undo, UnsupportedError)
         spec, leaves = self._gather(params, grads, state, hparams)
         stepped = [leaf for leaf in leaves if leaf.g is not None or zero_missing]
         checked = {_hparams_key(leaf.hp, leaf.p.dtype, leaf.p.is_meta)  # by _gather

@@ -283,6 +283,19 @@ def test_a_torch_option_without_a_truth_value_is_refused_naming_it():
                 cls(torch.nn.Linear(2, 2).parameters(), executor="inline", **{key: two})
 
 
+def test_check_inputs_flags_are_python_or_numpy_bools():
+    """check_inputs read zero_missing and check_undo by their truth: zero_missing="no" checked every leaf without
+    gradient as stepped with zeros (refusing hparams of leaves update leaves alone), check_undo="no" checked the
+    undo it says not to. Refused naming the option, as update refuses undoable="no"; numpy bools are bools."""
+    np = pytest.importorskip("numpy")
+    opt, params, grads, state = _setup()
+    for name in ("zero_missing", "check_undo"):
+        for bad, kind in (("no", "str"), (0, "int"), (None, "NoneType")):
+            with pytest.raises(sofx.UnsupportedError, match=rf"^{name} = .* is invalid; expected a bool .*got {kind}"):
+                opt.check_inputs(params, grads, state, **{name: bad})
+        opt.check_inputs(params, grads, state, **{name: np.bool_(False)})
+
+
 @pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
 def test_torch_optims_amsgrad_and_maximize_are_refused_set_and_accepted_at_their_default(make):
     """torch.optim.Adam/AdamW's amsgrad and maximize (a bare TypeError before): True is refused by name, as the
