@@ -1865,17 +1865,10 @@ def _check_param(path: str, p: Any) -> None:
     if not isinstance(p, torch.Tensor):
         raise LeafError(f"{path}: expected a tensor, got {type(p).__name__}{_module_params_hint(p)}")
     if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):  # (~50 ns; torch's ValueError at its first use)
-        raise LeafError(uninitialized_refusal(path))
+        raise LeafError(tree.uninitialized_refusal(path))
     if not p.dtype.is_floating_point:
         raise LeafError(f"{path}: expected a floating-point tensor, got dtype {p.dtype}")
     _check_dense(path, p)
-
-
-def uninitialized_refusal(path: str) -> str:
-    """The refusal of the lazy module's uninitialized parameter (``nn.LazyLinear``'s before its first forward: no
-    shape, no data; torch raised its ValueError or RuntimeError at its first use, naming no leaf) at ``path``."""
-    return (f"{path} is an uninitialized parameter (a lazy module's, before its first forward), which has no shape "
-            "or data; run a forward pass first")
 
 
 def _module_params_hint(x: Any) -> str:

@@ -53,6 +53,7 @@ __all__ = [
     "pack",
     "unpack",
     "numel_of",
+    "uninitialized_refusal",
 ]
 
 
@@ -575,14 +576,24 @@ def numel_of(leaves: Sequence[torch.Tensor]) -> int:
 def _tensor_leaves(who: str, leaves: Any) -> list[torch.Tensor]:
     """``leaves`` as a list, every element a tensor; else a ``TypeError`` naming ``who`` and what is not (a tensor
     given as the sequence: iterated as its rows; an int: 'int' object is not iterable; a float leaf: a bare
-    AttributeError from ``numel``)."""
+    AttributeError from ``numel``). A lazy module's uninitialized parameter is a ``ValueError`` naming it
+    (:func:`uninitialized_refusal`)."""
     if isinstance(leaves, torch.Tensor) or not isinstance(leaves, collections.abc.Iterable):
         raise TypeError(f"{who}: leaves is a {type(leaves).__name__}, expected a sequence of tensors")
     leaves = list(leaves)  # (an iterator: 'not subscriptable', or emptied by the checks: 'leaves need 0')
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{who}: leaves[{i}] is a {type(t).__name__}, expected a tensor")
+        if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # (torch's ValueError naming no leaf)
+            raise ValueError(f"{who}: {uninitialized_refusal(f'leaves[{i}]')}")
     return leaves
+
+
+def uninitialized_refusal(path: str) -> str:
+    """The refusal of the lazy module's uninitialized parameter (``nn.LazyLinear``'s before its first forward: no
+    shape, no data; torch raised its ValueError or RuntimeError at its first use, naming no leaf) at ``path``."""
+    return (f"{path} is an uninitialized parameter (a lazy module's, before its first forward), which has no shape "
+            "or data; run a forward pass first")
 
 
 def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,

@@ -516,3 +516,15 @@ def test_tree_map_with_an_fn_that_is_not_callable_names_it_even_over_an_empty_tr
             tree.tree_map(fn, tr, tr)
     with pytest.raises(TypeError, match=r"^tree_map: fn is a dict .*expected a callable.*tree_map\(fn, tree\)"):
         tree.tree_map(params, torch.neg)
+
+
+def test_pack_and_numel_of_refuse_a_lazy_modules_uninitialized_parameter_naming_it():
+    """A lazy module's parameter before its first forward (an UninitializedParameter: no shape, no data) among
+    pack's or numel_of's leaves raised torch's ValueError ('Attempted to use an uninitialized parameter in <method
+    'storage_offset' ...>') naming no leaf: a ValueError names the function and the leaf, as sofx.Adam refuses it."""
+    lazy = torch.nn.LazyLinear(2).weight
+    for who, call in (("pack", lambda: tree.pack([torch.ones(2), lazy])),
+                      ("numel_of", lambda: tree.numel_of([torch.ones(2), lazy]))):
+        with pytest.raises(ValueError, match=rf"^{who}: leaves\[1\] is an uninitialized parameter \(a lazy module's, "
+                                             r"before its first forward\).*run a forward pass first"):
+            call()

@@ -37,8 +37,7 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import (Adam, AdamHParams, _check_param, check_float32_range, refuse_half_precision,
-                       uninitialized_refusal)
+from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range, refuse_half_precision
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError, LeafError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
@@ -187,7 +186,7 @@ def refuse_uninitialized(who: str, leaves: Sequence[Any], paths: Sequence[str]) 
     and the leaf."""
     for path, p in zip(paths, leaves):
         if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
-            raise CheckpointError(f"{who}: {uninitialized_refusal(path)}")
+            raise CheckpointError(f"{who}: {tree.uninitialized_refusal(path)}")
 
 
 def check_float32_groups(resolved: Sequence[ParamGroup], leaves: Sequence[Any], paths: Sequence[str]) -> None:

@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from sofx.adam import uninitialized_refusal
+from sofx import tree
 from sofx.errors import LeafError, UnsupportedError
 from sofx.kernels.user_numbers import as_integer
 from sofx.offload.arena import COLOUR_BYTES, MIN_COLOURED_BYTES, PAGE_COLOURS
@@ -170,7 +170,7 @@ def check_params(groups: Sequence[Sequence[torch.Tensor]]) -> torch.device:
             if not isinstance(p, torch.Tensor):
                 raise LeafError(f"{where}: expected a tensor, got {type(p).__name__}")
             if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):  # (torch's ValueError from its numel())
-                raise LeafError(uninitialized_refusal(where))
+                raise LeafError(tree.uninitialized_refusal(where))
             # (no dense data to pack into a block: torch's bare errors from the constructor's reshape or copy)
             if p.is_nested:  # (of strided layout too: it has no shape, torch's "Internal error" said)
                 raise LeafError(f"{where}: a nested tensor has no dense data to offload; nested parameters are not "
