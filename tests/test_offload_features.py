@@ -620,6 +620,22 @@ def test_gradients_set_by_hand_are_stepped_late() -> None:
 
 
 # ---------------------------------------------------------------- step(closure)
+def test_step_with_a_closure_that_is_not_callable_names_it_and_takes_no_step() -> None:
+    """step(3) (a loss, or a closure's result, passed as the closure) raised Python's bare "'int' object is not
+    callable", as torch.optim's step does: a TypeError names step's closure and what was given; nothing is
+    stepped, and the step goes on with a closure."""
+    model, _ = _models()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        batch = mlp_batch(torch.Generator().manual_seed(0))
+        opt.backward(mlp_loss(model, batch))
+        for bad in (3, mlp_loss(model, batch)):
+            with pytest.raises(TypeError, match=r"^step\(closure\): closure is a (int|Tensor), expected a callable "
+                                                r"\(one that computes the loss and runs backward\) or None"):
+                opt.step(bad)
+        assert opt.last_report is None
+        assert opt.step(lambda: 1.5) == 1.5 and opt.last_report is not None
+
+
 def test_step_with_a_closure_returns_its_loss_and_keeps_the_report() -> None:
     """torch.optim's contract: step(closure) returns the closure's loss; the report is in last_report."""
     from sofx.offload.engine import EngineStepReport

@@ -813,6 +813,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
         it returned. Either way the report is also kept in :attr:`last_report`.
         """
         self._refuse_grad_scaler()
+        if closure is not None and not callable(closure):  # (Python's bare "'int' object is not callable")
+            raise TypeError(f"step(closure): closure is a {type(closure).__name__}, expected a callable (one that "
+                            "computes the loss and runs backward) or None")
         loss = None
         if closure is not None:
             with torch.enable_grad():
