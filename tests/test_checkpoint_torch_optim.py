@@ -1198,3 +1198,19 @@ def test_a_longdouble_hparam_no_float_holds_is_refused_as_the_checkpoint_codec_r
     sd["param_groups"][0]["betas"] = (0.9, 0.999)
     sd["param_groups"][0]["lr"] = np.longdouble(0.5)
     assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].lr == 0.5
+
+
+def test_torch_param_groups_refuses_what_is_no_sofx_adam_or_a_leaf_that_is_no_tensor():
+    """torch_param_groups(3, params) raised Python's bare AttributeError ("'int' object has no attribute
+    'resolve_hparams'"), and of an optimizer without bias correction it made groups torch's Adam steps with bias
+    correction, where to_torch_optim refuses both; a leaf that is no tensor went into the groups (torch.optim then
+    refused "one of the params is int", naming no leaf). Each is refused, naming what was given."""
+    params = _params()
+    with pytest.raises(ck.CheckpointError, match=r"^torch_param_groups: opt must be a sofx Adam .*got int"):
+        ck.torch_param_groups(3, params)
+    with pytest.raises(UnsupportedError, match=r"^torch_param_groups: torch\.optim\.Adam always applies bias "
+                                               r"correction"):
+        ck.torch_param_groups(sofx.adamw(bias_correction=False), params)
+    with pytest.raises(ck.CheckpointError, match=r"^torch_param_groups: params\['x'\]: expected a tensor \(a "
+                                                 r"parameter of the torch optimizer\), got int"):
+        ck.torch_param_groups(sofx.adamw(), {**params, "x": 3})

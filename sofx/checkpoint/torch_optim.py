@@ -78,8 +78,14 @@ def torch_param_groups(opt: Adam, params: Any, hparams: Any = None, *,
     :func:`to_torch_optim` numbers them given ``params=params`` (with each group's lr, betas, eps and weight_decay).
     Without it, :func:`to_torch_optim` numbers them in ``state.mu``'s order, which is this one where the state was
     made or stepped from ``params`` (not where a mapping's type differs: an ``OrderedDict`` keeps its keys' order,
-    a ``dict``'s are sorted)."""
+    a ``dict``'s are sorted). What :func:`to_torch_optim` refuses of ``opt`` is refused here too (no sofx Adam,
+    no bias correction), and so is a leaf that is no tensor, naming it."""
+    _check_opt(opt, "torch_param_groups")
     leaves, spec = tree.flatten(params)
+    for path, p in zip(tree.leaf_paths(spec), leaves):  # (torch.optim refused it later, naming no leaf)
+        if not isinstance(p, torch.Tensor):
+            raise CheckpointError(f"torch_param_groups: {path}: expected a tensor (a parameter of the torch "
+                                  f"optimizer), got {type(p).__name__}")
     out = []
     resolved = resolve_groups(opt, spec, hparams, groups, exported=True)
     check_float32_groups(resolved, leaves, tree.leaf_paths(spec))
