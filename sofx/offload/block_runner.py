@@ -40,11 +40,10 @@ from sofx.kernels.user_numbers import flag
 from sofx.offload.block_ops import BlockOp, OpResult
 from sofx.offload.blocks import BlockLayout, BlockTensors
 from sofx.speculate import Eligibility, apply_block_action, block_eligibility, speculative_block_step
+from sofx.speculation.apply import combine_eligibilities
 from sofx.undo_record import UndoRecord
 
 __all__ = ["BlockRunner", "AdamConfig", "block_tree", "combined_eligibility"]
-
-_STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
 
 # A block whose new values are published is stepped one leaf per parameter when it has at most
 # MAX_LEAVES_FOR_FUSED_PUBLISH parameters of MIN_LEAF_NUMEL_FOR_FUSED_PUBLISH elements or more on
@@ -138,19 +137,10 @@ def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: 
     params, grads, state = block_tree(t, layout, flat, present, grads)
     if flat:
         return _leaf_eligibility(opt, params, grads, state, hparams, grad_scale, finite)
-    strategy, reasons, nbytes = "algebraic", [], 0
-    for p, g, c, m, v in zip(params, grads, state.count, state.mu, state.nu):
-        if g is None:
-            continue
-        el = _leaf_eligibility(opt, p, g, AdamState(c, m, v), hparams, grad_scale, finite)
-        if not el.eligible:
-            return el
-        if _STRATEGY_COST.get(el.strategy, 0) > _STRATEGY_COST[strategy]:
-            strategy = el.strategy
-        if el.reason:
-            reasons.append(el.reason)
-        nbytes += el.snapshot_bytes
-    return Eligibility(True, strategy, "; ".join(dict.fromkeys(reasons)), nbytes)
+    combined = combine_eligibilities(_leaf_eligibility(opt, p, g, AdamState(c, m, v), hparams, grad_scale, finite)
+                                     for p, g, c, m, v in zip(params, grads, state.count, state.mu, state.nu)
+                                     if g is not None)
+    return Eligibility(True, "algebraic", "", 0) if combined is None else combined
 
 
 @dataclass

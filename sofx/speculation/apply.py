@@ -16,7 +16,7 @@ tensor) and moments. An engine may run them in any worker; with
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -29,7 +29,8 @@ from sofx.speculation.decisions import BlockAction, BlockDecision, Eligibility, 
 from sofx.transforms import sumsq
 from sofx.undo_record import STRATEGIES, UndoRecord, strategy_snapshot_bytes
 
-__all__ = ["grad_sumsq", "block_eligibility", "snapshot_bytes_of", "speculative_block_step", "apply_block_action"]
+__all__ = ["grad_sumsq", "block_eligibility", "combine_eligibilities", "snapshot_bytes_of", "speculative_block_step",
+           "apply_block_action"]
 
 
 # Which strategy's snapshot costs more: a tree block's Eligibility names its costliest leaf's.
@@ -74,24 +75,35 @@ def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state:
     except UnsupportedError as exc:
         return Eligibility(False, None, str(exc), 0)
     # A tree block (speculative_block_step takes one) combines its leaves (it raised a bare ValueError unpacking
-    # their plans, and a bare AttributeError taking a list's numel): ineligible where one is, else the costliest
-    # strategy, the leaves' reasons and the sum of their snapshots; a leaf without gradient counts for nothing.
-    leaves = zip(plans, tree.leaves(param), tree.leaves(state.mu), tree.leaves(state.nu))
+    # their plans, and a bare AttributeError taking a list's numel); a leaf without gradient counts for nothing.
+    combined = combine_eligibilities(_leaf_eligibility(plan, p, m, v) for plan, p, m, v in
+                                     zip(plans, tree.leaves(param), tree.leaves(state.mu), tree.leaves(state.nu))
+                                     if plan is not None)
+    return Eligibility(False, None, "no gradient", 0) if combined is None else combined
+
+
+def _leaf_eligibility(plan: tuple[str, str | None], p: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> Eligibility:
+    """One leaf's :class:`Eligibility` from its undo plan (``Adam.undo_strategies``' strategy and reason)."""
+    strategy, reason = plan
+    if strategy == "none":
+        return Eligibility(False, strategy, reason or "the step cannot be undone", 0)
+    return Eligibility(True, strategy, reason or "", strategy_snapshot_bytes(strategy, p, m, v))
+
+
+def combine_eligibilities(leaves: Iterable[Eligibility]) -> Eligibility | None:
+    """A block's :class:`Eligibility` from its leaves' (read in order, up to the first ineligible one, which is the
+    block's): else eligible with the costliest leaf's strategy, the leaves' reasons (each once) and the sum of their
+    snapshot bytes; ``None`` where there is no leaf."""
     strategy, reasons, nbytes = None, [], 0
-    for plan, p, m, v in leaves:
-        if plan is None:
-            continue
-        leaf_strategy, reason = plan
-        if leaf_strategy == "none":
-            return Eligibility(False, leaf_strategy, reason or "the step cannot be undone", 0)
-        if strategy is None or _STRATEGY_COST.get(leaf_strategy, 0) > _STRATEGY_COST.get(strategy, 0):
-            strategy = leaf_strategy
-        if reason:
-            reasons.append(reason)
-        nbytes += strategy_snapshot_bytes(leaf_strategy, p, m, v)
-    if strategy is None:
-        return Eligibility(False, None, "no gradient", 0)
-    return Eligibility(True, strategy, "; ".join(dict.fromkeys(reasons)), nbytes)
+    for el in leaves:
+        if not el.eligible:
+            return el
+        if strategy is None or _STRATEGY_COST.get(el.strategy, 0) > _STRATEGY_COST.get(strategy, 0):
+            strategy = el.strategy
+        if el.reason:
+            reasons.append(el.reason)
+        nbytes += el.snapshot_bytes
+    return None if strategy is None else Eligibility(True, strategy, "; ".join(dict.fromkeys(reasons)), nbytes)
 
 
 def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
