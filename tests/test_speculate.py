@@ -3232,12 +3232,13 @@ def test_speculative_block_step_without_a_gradient_is_refused_before_the_decisio
     assert [int(c) for c in s1.count] == [1, 0]
 
 
-def test_an_undo_redo_or_step_action_of_a_tree_block_without_a_gradient_is_refused(rng):
-    """apply_block_action refused grad=None for an undo_redo or a step, but a tree block's grad with no tensor in it
+def test_an_undo_redo_action_of_a_tree_block_without_a_gradient_is_refused(rng):
+    """apply_block_action refused grad=None for an undo_redo, but a tree block's grad with no tensor in it
     ([None, None]) was taken: the undo_redo only undid the speculative step (Adam leaves a leaf without gradient as
-    it is: counts back to 0) and the step took nothing, each marked applied while the plan and its report said
-    redone / stepped (as speculative_block_step before 4a30c79). Refused as grad=None is, nothing written, the action
-    still usable with the gradient."""
+    it is: counts back to 0), marked applied while the plan and its report said redone (as speculative_block_step
+    before 4a30c79). Refused as grad=None is, nothing written, the action still usable with the gradient. A step
+    action given [None, None] is taken, as update takes it (the offload engine steps a frozen group's block so:
+    test_offload_misuse.py's frozen groups), each leaf left as it is."""
     opt = sofx.adamw(lr=1e-2)
     rule = loss_scale.static_scale(1.0)
     pair = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
@@ -3250,14 +3251,15 @@ def test_an_undo_redo_or_step_action_of_a_tree_block_without_a_gradient_is_refus
     ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(max_norm=1.0), rule, rule.init(), n_blocks=1)
     (step,) = sp.plan_validation(ctx, tally, [total]).actions
     assert (redo.kind, step.kind) == ("undo_redo", "step")
-    for action, params, state, record in ((redo, p1, s1, rec), (step, pair, opt.init(pair), None)):
-        before = [p.clone() for p in params]
-        with pytest.raises(sofx.SofxError, match=rf"^block 0: {action.kind} needs the block's final gradient \(grad "
-                                                 r"has no tensor in it: list\)"):
-            sp.apply_block_action(opt, action, params, [None, None], state, record)
-        assert all(torch.equal(a, b) for a, b in zip(params, before)) and not action.applied_cell()[0]
-        _, new_state = sp.apply_block_action(opt, action, params, grads, state, record)
-        assert [int(c) for c in new_state.count] == [1, 1]
+    before = [p.clone() for p in p1]
+    with pytest.raises(sofx.SofxError, match=r"^block 0: undo_redo needs the block's final gradient \(grad has no "
+                                             r"tensor in it: list\)"):
+        sp.apply_block_action(opt, redo, p1, [None, None], s1, rec)
+    assert all(torch.equal(a, b) for a, b in zip(p1, before)) and not redo.applied_cell()[0]
+    _, new_state = sp.apply_block_action(opt, redo, p1, grads, s1, rec)
+    assert [int(c) for c in new_state.count] == [1, 1]
+    stepped, new_state = sp.apply_block_action(opt, step, [p.clone() for p in pair], [None, None], opt.init(pair), None)
+    assert all(torch.equal(a, b) for a, b in zip(stepped, pair)) and [int(c) for c in new_state.count] == [0, 0]
 
 
 def test_speculative_block_step_given_this_steps_context_refuses_a_decision_of_an_earlier_step(rng):

@@ -226,8 +226,10 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     another's: the caller passes block ``i``'s with ``plan.actions[i]``. So is a ``step`` given a record that was not
     used (a speculative step that stands would be stepped again), a ``skip`` given one (the block would keep the
     step), and a ``commit`` given one that was used (its step was undone: the block would be left without it).
-    An ``undo_redo`` or a ``step`` (but with ``zero_grad``) without a gradient -- ``grad`` ``None``, or a tree block's
-    with no tensor in it -- is refused, nothing written (it would undo, or step, nothing of the block).
+    An ``undo_redo`` without a gradient -- ``grad`` ``None``, or a tree block's with no tensor in it -- is refused,
+    nothing written (it would only undo the speculative step); so is a ``step`` (but with ``zero_grad``) given
+    ``None``, while a tree block's ``[None, ...]`` is stepped as ``update`` steps it, leaving each leaf without
+    gradient as it is (the offload engine's step of a block of frozen parameters).
     ``grads_finite``: :meth:`sofx.Adam.update`'s hint for ``grad`` (``True``
     when the caller took its sum of squares on these very values and it was finite).
     ``param_copies``: :meth:`sofx.Adam.update`'s, written by every action that changes the
@@ -321,8 +323,8 @@ def _apply(opt: Adam, action: BlockAction, kind: str, param: torch.Tensor, grad:
         if zero_grad:  # (each leaf of a tree block; what is no tensor is left for update to refuse)
             grad = tree.tree_map(lambda x: torch.zeros_like(x) if isinstance(x, torch.Tensor) else x, param)
             grads_finite = True
-        elif not tree.leaves(grad):
-            raise SofxError(f"block {action.block}: step needs the block's final gradient{_no_tensor(grad)}")
+        elif grad is None:  # (a tree block's with no tensor is taken: the engine steps a frozen group's block so)
+            raise SofxError(f"block {action.block}: step needs the block's final gradient")
         new_param, new_state, _ = opt.update(param, grad, state, action.hparams, grad_scale=action.grad_scale,
                                              donate=donate, grads_finite=grads_finite, param_copies=param_copies,
                                              undoable=False)
