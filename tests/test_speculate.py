@@ -3173,6 +3173,28 @@ def test_snapshot_bytes_of_names_what_it_refuses_and_sums_a_tree_block(rng):
         snapshot_bytes_of("snapshots", ps, state)
 
 
+def test_snapshot_bytes_of_refuses_a_state_of_another_structure_and_a_chunk_snapshot(rng):
+    """snapshot_bytes_of zipped the param's, mu's and nu's leaves unchecked: a state of fewer leaves than the block
+    was summed over the shortest (a truncated count), and a "chunk_snapshot" counted 0 bytes (its record keeps the
+    flagged chunks' elements and indices, which the strategy alone does not say). The state's structure is checked
+    as Adam's calls check it (a StructureError naming state.mu), and a chunk_snapshot refused, naming what counts it;
+    "none" keeps nothing (0 bytes)."""
+    from sofx.speculation.apply import snapshot_bytes_of
+
+    opt = sofx.adamw()
+    ps = [torch.randn(4, generator=rng), torch.randn(3, generator=rng)]
+    one = opt.init([ps[0]])
+    with pytest.raises(sofx.StructureError, match=r"^state.mu does not have the structure of param"):
+        snapshot_bytes_of("snapshot", ps, one)
+    with pytest.raises(sofx.StructureError, match=r"^state.nu does not have the structure of param"):
+        snapshot_bytes_of("snapshot", ps, opt.init(ps)._replace(nu=[ps[0]]))
+    with pytest.raises(sofx.SofxError, match=r"^snapshot_bytes_of: a 'chunk_snapshot' record's bytes depend on"):
+        snapshot_bytes_of("chunk_snapshot", ps, opt.init(ps))
+    with pytest.raises(sofx.LeafError, match=r"^snapshot_bytes_of: state.mu\[1\]: expected a tensor, got NoneType"):
+        snapshot_bytes_of("snapshot", ps, opt.init(ps)._replace(mu=[ps[0], None]))
+    assert snapshot_bytes_of("none", ps, opt.init(ps)) == 0
+
+
 def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
     """A block may be a pytree (speculative_step's leaves, the offload engine's per-parameter lists): a ``step``
     action with ``zero_grad`` (missing_grad="zero") raised torch's bare TypeError ("zeros_like(): argument 'input'

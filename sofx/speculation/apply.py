@@ -45,13 +45,29 @@ def grad_sumsq(grad: torch.Tensor) -> float:
 def snapshot_bytes_of(strategy: str, param: torch.Tensor, state: AdamState) -> int:
     """Bytes a speculative step with undo ``strategy`` keeps alive for its snapshot (a tree block's: the sum over
     its leaves). A ``state`` that is no :class:`~sofx.adam.AdamState` is refused as Adam's calls refuse it (a bare
-    AttributeError before), and a strategy that is none of an undo record's (it counted as 0 bytes)."""
+    AttributeError before), and a strategy that is none of an undo record's (it counted as 0 bytes). ``"none"`` and
+    ``"algebraic"`` keep nothing (0). A ``"chunk_snapshot"`` is refused: its record keeps the elements of the chunks
+    its step flagged (:func:`~sofx.undo_record.chunk_snapshot_bytes`), which the strategy does not say (it counted as
+    0 bytes). The state's moments must have the structure of ``param`` (a StructureError naming the first difference:
+    the leaves were zipped unchecked, a shorter state's sum truncated), and a moment read must be a tensor."""
     if not isinstance(state, AdamState):
         raise LeafError(not_an_adam_state(state))
     if strategy not in STRATEGIES:
         raise SofxError(f"snapshot_bytes_of: strategy {strategy!r:.80} is none of {STRATEGIES} (an undo record's)")
-    return sum(strategy_snapshot_bytes(strategy, p, m, v)
-               for p, m, v in zip(tree.leaves(param), tree.leaves(state.mu), tree.leaves(state.nu)))
+    if strategy == "chunk_snapshot":
+        raise SofxError("snapshot_bytes_of: a 'chunk_snapshot' record's bytes depend on the chunks its step flagged, "
+                        "which the strategy does not say: count them with sofx.undo_record.chunk_snapshot_bytes, or "
+                        "the record's snapshot_bytes()")
+    p_leaves, spec = tree.flatten(param)
+    mus = tree.flatten_up_to(spec, state.mu, "state.mu", root="param")
+    nus = tree.flatten_up_to(spec, state.nu, "state.nu", root="param")
+    if strategy in ("none", "algebraic"):
+        return 0
+    for what, ts in (("param", p_leaves), ("state.mu", mus), ("state.nu", nus)):
+        for path, t in zip(tree.leaf_paths(spec, root=what), ts):
+            if not isinstance(t, torch.Tensor):
+                raise LeafError(f"snapshot_bytes_of: {path}: expected a tensor, got {type(t).__name__}")
+    return sum(strategy_snapshot_bytes(strategy, p, m, v) for p, m, v in zip(p_leaves, mus, nus))
 
 
 def block_eligibility(opt: Adam, param: torch.Tensor, grad: torch.Tensor, state: AdamState,
