@@ -845,6 +845,28 @@ def test_a_malformed_structure_is_a_corrupt_checkpoint_error_naming_the_file(tmp
                 load()
 
 
+def test_a_tensor_nodes_requires_grad_or_parameter_mark_that_is_no_bool_is_corrupt(tmp_path, rng):
+    """A tensor node's "requires_grad" and "parameter" marks were read by their truth: a damaged file's "yes" or 1
+    loaded the tensor as one requiring grad (a Parameter for parameter=1 was not made, "yes" neither) without a word,
+    where the codec refuses its other damaged node fields. Each is a CorruptCheckpointError naming the file, the
+    leaf and the value; a node without "parameter" (a file written before it existed) still loads."""
+    path = ck.save(tmp_path / "m.ckpt", {"x": torch.nn.Parameter(torch.randn(3, generator=rng))})
+    tree_ = ck.read_metadata(path)["tree"]
+    good = open(path, "rb").read()
+    node = tree_["items"][0]
+    for field, value in (("requires_grad", "yes"), ("requires_grad", 1), ("parameter", "yes"), ("parameter", 1),
+                         ("parameter", None)):
+        open(path, "wb").write(good)
+        _rewrite_metadata(path, tree=json.dumps({**tree_, "items": [{**node, field: value}]}))
+        with pytest.raises(ck.CorruptCheckpointError,
+                           match=rf"^{re.escape(str(path))}: .*bad tensor {field} {re.escape(repr(value))}"):
+            ck.load(path)
+    open(path, "wb").write(good)
+    _rewrite_metadata(path, tree=json.dumps({**tree_, "items": [{k: v for k, v in node.items() if k != "parameter"}]}))
+    x = ck.load(path)["x"]
+    assert type(x) is torch.Tensor and x.requires_grad
+
+
 def test_trees_nested_too_deeply_are_refused_and_deep_headers_are_corrupt(tmp_path, rng):
     """A tree nested beyond MAX_NESTING containers is refused when saved (a CheckpointError naming where; the file
     before it kept), so that every file sofx writes reads back (its JSON is read recursively); one at the limit

@@ -400,6 +400,10 @@ def _decode_tensor(node: dict, like: Any, path: str, load_tensor: Callable[[dict
             or sorted(order) != list(range(len(shape))):
         raise _corrupt(path, f"bad tensor order {str(order)[:80]!r} (expected a permutation of the dimensions "
                              f"of shape {shape})")
+    # (read by their truth, a damaged "yes" or 1 was taken; a file written before "parameter" existed has none)
+    for mark in ("requires_grad", "parameter"):
+        if mark in node and type(node[mark]) is not bool:
+            raise _corrupt(path, f"bad tensor {mark} {node[mark]!r:.80} (expected true or false)")
     if isinstance(like, torch.nn.parameter.UninitializedTensorMixin):  # (torch's RuntimeError from its shape)
         raise CheckpointMismatchError(f"{path}: the template has an uninitialized parameter or buffer (a lazy "
                                       "module's, before its first forward), which has no shape to match; run a "
