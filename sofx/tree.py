@@ -70,6 +70,12 @@ def leaves(tree: PyTree) -> list[Any]:
     return optree.tree_leaves(tree)
 
 
+def article(name: str) -> str:
+    """``name`` after its indefinite article, for messages: ``a float``, ``an int``, ``an OrderedDict`` (by its first
+    letter: "a int" was written)."""
+    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+
 def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     """Inverse of :func:`flatten` (``spec`` anything but a tree structure, or ``leaves`` no sequence -- an iterator
     is taken; a mapping, a set or a string, whose iteration is no list of the leaves in order, is not -- a
@@ -79,8 +85,8 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     # taken as the leaves without a word. A list, the common case in every update, is checked by its type alone)
     if type(leaves) is not list and (not isinstance(leaves, collections.abc.Iterable) or
                                      isinstance(leaves, (collections.abc.Mapping, collections.abc.Set, str, bytes))):
-        raise TypeError(f"unflatten: leaves is a {type(leaves).__name__}, expected a sequence of {spec.num_leaves} "
-                        "leaves")
+        raise TypeError(f"unflatten: leaves is {article(type(leaves).__name__)}, expected a sequence of "
+                        f"{spec.num_leaves} leaves")
     return optree.tree_unflatten(spec, list(leaves))
 
 
@@ -94,7 +100,7 @@ def tree_map(fn: Callable[..., Any], tree: PyTree, *rest: PyTree) -> PyTree:
     not callable" from inside optree; over a tree without leaves no word at all)."""
     if not callable(fn):
         swapped = " (the arguments swapped? tree_map(fn, tree))" if callable(tree) else ""
-        raise TypeError(f"tree_map: fn is a {type(fn).__name__} ({fn!r:.80}), expected a callable{swapped}")
+        raise TypeError(f"tree_map: fn is {article(type(fn).__name__)} ({fn!r:.80}), expected a callable{swapped}")
     if not rest:
         return optree.tree_map(fn, tree)
     leaves, spec = optree.tree_flatten(tree)
@@ -220,7 +226,7 @@ def _check_spec(who: str, spec: Any) -> None:
     naming ``who`` (a tree given in its place raised a bare AttributeError: 'dict' object has no attribute
     'unflatten')."""
     if not (isinstance(spec, optree.PyTreeSpec) or _is_treespec(spec)):
-        raise TypeError(f"{who}: spec is a {type(spec).__name__}, expected a tree structure (the spec "
+        raise TypeError(f"{who}: spec is {article(type(spec).__name__)}, expected a tree structure (the spec "
                         "sofx.tree.flatten(tree) returns with the leaves)")
 
 
@@ -306,7 +312,7 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
             if value(sub) or optree.tree_is_leaf(sub, none_is_leaf=True):
                 return None
             if sub_spec.is_leaf():
-                return f"{path} is a {type(sub).__name__} where {full} is a leaf"
+                return f"{path} is {article(type(sub).__name__)} where {full} is a leaf"
             as_full = f" (as {full})"
         else:
             if sub_spec.is_leaf():
@@ -314,22 +320,22 @@ def _first_difference(spec: TreeSpec, tree: PyTree, root: str, value: Callable[[
             if sub is None:
                 return None if sub_spec.num_leaves == 0 else f"{path} is None, expected {spec_text(sub_spec)}"
             if optree.tree_is_leaf(sub, none_is_leaf=True):
-                return f"{path} is a {type(sub).__name__}{unwalked_hint(sub)}, expected {spec_text(sub_spec)}"
+                return f"{path} is {article(type(sub).__name__)}{unwalked_hint(sub)}, expected {spec_text(sub_spec)}"
         children, _, entries, _ = optree.tree_flatten_one_level(sub, none_is_leaf=True)
         if type(sub) is not sub_spec.type and not _mappings_by_key(sub_spec, sub):
             name = type(sub).__name__
             if name == sub_spec.type.__name__:  # ("grads is a NT, expected a NT")
-                return (f"{path} is a {name}, another class than the {name} of {full} of the same name (defined "
+                return (f"{path} is {article(name)}, another class than the {name} of {full} of the same name (defined "
                         "again? a notebook cell run twice or a reloaded module makes a new class: make both trees "
                         "with one)")
-            return f"{path} is a {name}, expected a {sub_spec.type.__name__}{as_full}"
+            return f"{path} is {article(name)}, expected {article(sub_spec.type.__name__)}{as_full}"
         want = list(sub_spec.entries())
         specs = _children_specs(sub_spec, sub, entries)
         if specs is None:
             return f"{path} has entries {_keys_text(entries)}, expected {_keys_text(want)}{as_full}"
         metadata = _custom_metadata_difference(sub_spec, sub)
         if metadata is not None:
-            return f"{path} is a {type(sub).__name__} of metadata {metadata[0]}, expected {metadata[1]}{as_full}"
+            return f"{path} is {article(type(sub).__name__)} of metadata {metadata[0]}, expected {metadata[1]}{as_full}"
         for child_spec, child, entry in zip(specs, children, entries):
             step = _entry_str(entry, sub)
             found = walk(child_spec, child, path + step, full + step)
@@ -375,9 +381,6 @@ def structure_difference(spec: TreeSpec, tree: PyTree, root: str = "params", oth
     key order key by key, such a mapping is a difference here (named as one: its leaves come in another order).
     ``spec`` anything but a tree structure: a ``TypeError`` naming it (a bare AttributeError, 'is_leaf')."""
     _check_spec("structure_difference", spec)
-
-    def article(name: str) -> str:
-        return f"an {name}" if name[:1] in "AEIOU" else f"a {name}"
 
     def walk(sub_spec: TreeSpec, sub: Any, path: str) -> str | None:
         if sub_spec.is_leaf():
@@ -535,11 +538,11 @@ def _custom_children(node: Any, full: Any, entry: Any, what: str, root: str, at:
     full_children, full_metadata, full_entries, _ = optree.tree_flatten_one_level(full, none_is_leaf=True)
     name = type(node).__name__
     if list(entries) != list(full_entries):
-        raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is a {name} of entries "
-                             f"{list(entries)!r}, expected {list(full_entries)!r} (as {root}{at})")
+        raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is {article(name)} of "
+                             f"entries {list(entries)!r}, expected {list(full_entries)!r} (as {root}{at})")
     if metadata != full_metadata:
-        raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is a {name} of metadata "
-                             f"{metadata!r:.80}, expected {full_metadata!r:.80} (as {root}{at})")
+        raise StructureError(f"{what} is not a prefix of the structure of {root}: {what}{at} is {article(name)} of "
+                             f"metadata {metadata!r:.80}, expected {full_metadata!r:.80} (as {root}{at})")
     i = list(entries).index(entry)
     return children[i], full_children[i], at + _entry_str(entry, node)
 
@@ -555,7 +558,7 @@ def _sorted_keys(mapping: Mapping[Any, Any]) -> list[Any]:
 def _described_node(x: Any) -> str:
     """``x`` as a structure error names it: its type, and a list's or a tuple's length."""
     kind = type(x).__name__
-    return f"a {kind} of {len(x)}" if isinstance(x, (list, tuple)) else f"a {kind}"
+    return f"{article(kind)} of {len(x)}" if isinstance(x, (list, tuple)) else article(kind)
 
 
 def _holds_mapping(x: PyTree) -> bool:
@@ -579,11 +582,11 @@ def _tensor_leaves(who: str, leaves: Any) -> list[torch.Tensor]:
     AttributeError from ``numel``). A lazy module's uninitialized parameter is a ``ValueError`` naming it
     (:func:`uninitialized_refusal`)."""
     if isinstance(leaves, torch.Tensor) or not isinstance(leaves, collections.abc.Iterable):
-        raise TypeError(f"{who}: leaves is a {type(leaves).__name__}, expected a sequence of tensors")
+        raise TypeError(f"{who}: leaves is {article(type(leaves).__name__)}, expected a sequence of tensors")
     leaves = list(leaves)  # (an iterator: 'not subscriptable', or emptied by the checks: 'leaves need 0')
     for i, t in enumerate(leaves):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{who}: leaves[{i}] is a {type(t).__name__}, expected a tensor")
+            raise TypeError(f"{who}: leaves[{i}] is {article(type(t).__name__)}, expected a tensor")
         if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):  # (torch's ValueError naming no leaf)
             raise ValueError(f"{who}: {uninitialized_refusal(f'leaves[{i}]')}")
     return leaves
@@ -612,7 +615,7 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     grad mode, an inference tensor outside inference mode, which torch refused after the first leaf was written)."""
     leaves = _tensor_leaves("pack", leaves)
     if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
-        raise TypeError(f"pack: out is a {type(out).__name__}, expected a 1-d tensor")
+        raise TypeError(f"pack: out is {article(type(out).__name__)}, expected a 1-d tensor")
     if dtype is not None and not isinstance(dtype, torch.dtype):  # (torch.can_cast's bare TypeError for a str)
         try:
             dtype = torch.empty(0, dtype=dtype, device="meta").dtype  # (Python's float, as torch reads it)
@@ -696,11 +699,11 @@ def unpack(flat: torch.Tensor, shapes: Sequence[torch.Size | Sequence[int]]) -> 
     :class:`~sofx.errors.LeafError`: :func:`~sofx.kernels.storage.refuse_short_storage`, but while ``torch.compile``
     traces, which cannot read a fake tensor's storage)."""
     if not isinstance(flat, torch.Tensor):
-        raise TypeError(f"unpack: flat is a {type(flat).__name__}, expected a 1-d tensor")
+        raise TypeError(f"unpack: flat is {article(type(flat).__name__)}, expected a 1-d tensor")
     if flat.dim() != 1:  # (a row slice of a 2-d buffer was viewed as the leaf: torch's bare view error)
         raise ValueError(f"unpack: expected a 1-d flat buffer, got shape {tuple(flat.shape)}")
     if not isinstance(shapes, collections.abc.Iterable):  # ('int' object is not iterable)
-        raise TypeError(f"unpack: shapes is a {type(shapes).__name__}, expected a sequence of shapes")
+        raise TypeError(f"unpack: shapes is {article(type(shapes).__name__)}, expected a sequence of shapes")
     sizes = []
     for i, shape in enumerate(shapes):
         try:

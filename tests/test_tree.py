@@ -235,7 +235,7 @@ def test_numel_of_and_pack_refuse_bad_leaves_a_str_dtype_and_meta_leaves_naming_
     with pytest.raises(TypeError, match=r"^numel_of: leaves\[1\] is a float, expected a tensor"):
         tree.numel_of([torch.ones(2), 3.0])
     for bad in (5, torch.ones(2, 3)):
-        with pytest.raises(TypeError, match=r"^numel_of: leaves is a (int|Tensor), expected a sequence of tensors"):
+        with pytest.raises(TypeError, match=r"^numel_of: leaves is (an int|a Tensor), expected a sequence of tensors"):
             tree.numel_of(bad)
     assert tree.numel_of(iter([torch.ones(2), torch.ones(3, 2)])) == 8
     with pytest.raises(TypeError, match=r"^pack: dtype = 'float32' \(str\), expected a torch.dtype"):
@@ -346,7 +346,7 @@ def test_structure_difference_refuses_a_tree_given_as_the_spec_and_unflatten_lea
     with pytest.raises(TypeError, match=r"^structure_difference: spec is a dict, expected a tree structure"):
         tree.structure_difference(params, params)
     spec = tree.flatten(params)[1]
-    with pytest.raises(TypeError, match=r"^unflatten: leaves is a int, expected a sequence of 2 leaves"):
+    with pytest.raises(TypeError, match=r"^unflatten: leaves is an int, expected a sequence of 2 leaves"):
         tree.unflatten(spec, 5)
     assert tree.structure_difference(spec, {"w": 1}) == "params has entries ['w'], expected ['b', 'w']"
     assert tree.unflatten(spec, iter([1, 2])) == {"w": 2, "b": [1]}
@@ -372,7 +372,7 @@ def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
     iterable". Each is a TypeError naming the argument; an int shape is the 1-d shape of that size."""
     with pytest.raises(TypeError, match=r"pack: leaves\[1\] is a list, expected a tensor"):
         tree.pack([torch.ones(2), [1.0]])
-    with pytest.raises(TypeError, match=r"unpack: flat is a int, expected a 1-d tensor"):
+    with pytest.raises(TypeError, match=r"unpack: flat is an int, expected a 1-d tensor"):
         tree.unpack(5, [(1,)])
     with pytest.raises(TypeError, match=r"unpack: shapes\[1\] = 'ab' is not a shape"):
         tree.unpack(torch.zeros(3), [(1,), "ab"])
@@ -382,7 +382,7 @@ def test_pack_and_unpack_refuse_what_is_not_a_tensor_naming_it():
         tree.pack([torch.ones(2)], out=[0.0, 0.0])
     with pytest.raises(TypeError, match=r"^pack: leaves is a Tensor, expected a sequence of tensors"):
         tree.pack(torch.ones(2))  # (iterated: its elements as 0-d leaves, without a word)
-    with pytest.raises(TypeError, match=r"^unpack: shapes is a int, expected a sequence of shapes"):
+    with pytest.raises(TypeError, match=r"^unpack: shapes is an int, expected a sequence of shapes"):
         tree.unpack(torch.zeros(3), 3)  # ('int' object is not iterable)
     assert torch.equal(tree.pack(t for t in (torch.ones(2), torch.zeros(1))), torch.tensor([1.0, 1.0, 0.0]))
 
@@ -509,8 +509,8 @@ def test_tree_map_with_an_fn_that_is_not_callable_names_it_even_over_an_empty_tr
     not callable". A TypeError names tree_map and what was given (and the order, where the tree is callable)."""
     params = {"w": torch.ones(2)}
     for fn, tr in ((3, params), (3, {}), (None, [])):
-        with pytest.raises(TypeError, match=rf"^tree_map: fn is a {type(fn).__name__} \({fn!r}\), expected a "
-                                            r"callable"):
+        with pytest.raises(TypeError, match=rf"^tree_map: fn is {tree.article(type(fn).__name__)} \({fn!r}\), "
+                                            r"expected a callable"):
             tree.tree_map(fn, tr)
         with pytest.raises(TypeError, match=r"^tree_map: fn is a"):
             tree.tree_map(fn, tr, tr)

@@ -45,6 +45,7 @@ except ImportError:  # numpy is optional: no numpy scalar can reach the codec th
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
 from sofx.kernels.storage import in_storage, refuse_short_storage
+from sofx.tree import article as _article  # (the shared wording: checkpoint.known_types imports it from here)
 
 __all__ = ["EncodedTree", "NO_TEMPLATE", "encode", "decode", "dtype_name", "dtype_from_name", "type_name", "ROOT"]
 
@@ -279,11 +280,6 @@ def _is_numpy_scalar(x: Any) -> bool:
     """Whether ``x`` is a numpy bool or real number, which :func:`encode` stores as the Python number of its
     value."""
     return type(x).__module__ == "numpy" and isinstance(x, (numbers.Real, _NumpyBool))
-
-
-def _article(name: str) -> str:
-    """``name`` after its indefinite article: ``a float``, ``an int``, ``an OrderedDict``."""
-    return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
 _KIND_OF_SAVED = {"tensor": "a tensor", "none": "None", "bool": "a bool", "int": "an int", "float": "a float",
