@@ -61,6 +61,7 @@ import torch
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, as_number, is_traced, vmapped
 from sofx.kernels.user_numbers import as_integer, flag, integer, is_bool, positive_number, real_number
+from sofx.tree import article
 
 __all__ = [
     "LossScaler",
@@ -207,7 +208,11 @@ def check_scaler(scaler: Any, name: str = "scaler") -> None:
 
 def check_state_kind(state: Any, expected: type) -> None:
     """A state of another kind than the rule's own (what ``init()`` makes) is refused, naming both (the rules'
-    ``scale`` and ``update``, and :func:`sofx.serial.loss_scale_of` for a loop's ``scaler_state``)."""
+    ``scale`` and ``update``, and :func:`sofx.serial.loss_scale_of` for a loop's ``scaler_state``). An ``expected``
+    that is no type: a ``TypeError`` naming it (isinstance's bare one)."""
+    if type(expected) is not type and not isinstance(expected, type):
+        raise TypeError(f"check_state_kind: expected is {article(type(expected).__name__)} ({expected!r:.80}), "
+                        "expected a type (the rule's state class)")
     if not isinstance(state, expected):
         raise HParamError(f"scaler_state is a {type(state).__name__}; this scaler's state is a "
                           f"{expected.__name__} (as scaler.init() makes it)")

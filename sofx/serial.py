@@ -327,9 +327,17 @@ def with_loop_settings(reduce_sumsq: Callable[[float], float] | None,
 
 def call_reduce(reduce_sumsq: Callable[[float], float], local: float, settings: Mapping[str, Any] | None) -> Any:
     """``reduce_sumsq.agreed_sum(local, settings)`` where the hook has that method, else ``reduce_sumsq(local)``:
-    what the hook returns, unchecked (:func:`reduced_sumsq` checks it)."""
+    what the hook returns, unchecked (:func:`reduced_sumsq` checks it). A hook that is not callable, None too (there
+    is no hook to skip here: :func:`reduced_sumsq` takes None as none): an :class:`HParamError` naming it (Python's
+    bare "'int' object is not callable")."""
     agreed_sum = getattr(reduce_sumsq, "agreed_sum", None)
-    return reduce_sumsq(local) if agreed_sum is None else agreed_sum(local, settings)
+    if agreed_sum is not None:
+        return agreed_sum(local, settings)
+    if not callable(reduce_sumsq):
+        raise HParamError(f"call_reduce: reduce_sumsq is {tree.article(type(reduce_sumsq).__name__)}; expected a "
+                          "function of this rank's sum of squares that returns the sum over ranks "
+                          "(sofx.distributed.all_reduce_sumsq(group))")
+    return reduce_sumsq(local)
 
 
 def reduced_sumsq(reduce_sumsq: Callable[[float], float] | None, local: float,

@@ -174,9 +174,16 @@ def _codify(accessor: optree.PyTreeAccessor, root: str) -> str:
 
 def paths_index(paths: Sequence[str]) -> dict[str, list[int]]:
     """Each path of ``paths`` (:func:`leaf_paths`'s) with the indices of the leaves it is the path of (two where
-    keys of equal ``repr`` give two leaves one path): :func:`named_leaves`' table, built once for many names."""
+    keys of equal ``repr`` give two leaves one path): :func:`named_leaves`' table, built once for many names.
+    ``paths`` no sequence of str: a ``TypeError`` naming it (None: Python's bare "not iterable"; a str's characters
+    were taken as the paths)."""
+    if type(paths) is not list and (not isinstance(paths, Sequence) or isinstance(paths, (str, bytes))):
+        raise TypeError(f"paths_index: paths is {article(type(paths).__name__)}, expected a sequence of str (the "
+                        "leaf paths of sofx.tree.leaf_paths)")
     out: dict[str, list[int]] = {}
     for i, path in enumerate(paths):
+        if type(path) is not str and not isinstance(path, str):
+            raise TypeError(f"paths_index: paths[{i}] is {article(type(path).__name__)}, expected a str (a leaf path)")
         out.setdefault(path, []).append(i)
     return out
 
@@ -186,7 +193,13 @@ def named_leaves(by_path: Mapping[str, Sequence[int]], name: str) -> list[int]:
     :func:`leaf_paths` writes, root ``params``): the leaf whose path ``name`` is, and the leaf at the top of a dict
     under the key ``name`` (``"w"`` names ``params['w']``). More than one where a key is written as another leaf's
     path, or two leaves have one path (the callers refuse that, asking for an index); none where ``name`` names no
-    leaf. A lookup or two, not a pass over the leaves."""
+    leaf. A lookup or two, not a pass over the leaves. ``by_path`` no mapping or ``name`` no str: a ``TypeError``
+    naming it (a bare AttributeError, 'get')."""
+    if type(by_path) is not dict and not isinstance(by_path, Mapping):
+        raise TypeError(f"named_leaves: by_path is {article(type(by_path).__name__)}, expected a mapping of leaf "
+                        "paths to leaf indices (sofx.tree.paths_index's)")
+    if type(name) is not str and not isinstance(name, str):
+        raise TypeError(f"named_leaves: name is {article(type(name).__name__)}, expected a str (a key or a leaf path)")
     return sorted({i for text in (name, f"params[{name!r}]") for i in by_path.get(text, ())})
 
 

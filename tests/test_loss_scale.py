@@ -764,3 +764,14 @@ def test_a_hand_set_scale_that_is_no_float32_value_scales_and_steps_as_torchs_lo
     assert f32 != scale and rule.scale(state) == f32
     assert ls.to_torch_grad_scaler_state(rule, state)["scale"] == f32
     assert _rule_steps(rule, state, overflows)[0] == _torch_steps(scaler, overflows)
+
+
+def test_check_state_kind_names_an_expected_kind_that_is_no_type():
+    """check_state_kind (public) given an expected kind that is no type raised Python's bare TypeError from
+    isinstance ("isinstance() arg 2 must be a type, ..."); a TypeError names check_state_kind and what was given.
+    A state of another kind is still the HParamError naming both."""
+    ls.check_state_kind(ls.grad_scaler().init(), ls.GradScalerState)
+    with pytest.raises(TypeError, match=r"^check_state_kind: expected is a str \('GradScalerState'\), expected a type"):
+        ls.check_state_kind(ls.grad_scaler().init(), "GradScalerState")
+    with pytest.raises(HParamError, match=r"^scaler_state is a float; this scaler's state is a GradScalerState"):
+        ls.check_state_kind(3.0, ls.GradScalerState)

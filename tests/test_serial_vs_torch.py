@@ -249,6 +249,16 @@ def test_can_unscale_refuses_what_is_no_scale_and_reads_numbers_as_floats():
         assert type(got) is bool and got is want, scale
 
 
+def test_call_reduce_names_a_hook_that_is_not_callable():
+    """sofx.serial.call_reduce (public) with a hook that is not callable raised Python's bare TypeError ("'int'
+    object is not callable", None's too: reduced_sumsq takes None as no hook, call_reduce has one to call); an
+    HParamError names call_reduce and what was given. A function, or a hook with agreed_sum, is still called."""
+    assert sofx.serial.call_reduce(lambda x: 2 * x, 1.5, None) == 3.0
+    for bad, kind in ((5, "an int"), (None, "a NoneType"), ("sum", "a str")):
+        with pytest.raises(sofx.HParamError, match=rf"^call_reduce: reduce_sumsq is {kind}; expected a function"):
+            sofx.serial.call_reduce(bad, 1.0, None)
+
+
 def test_a_reduce_sumsq_returning_an_int_beyond_the_float_range_is_an_overflow():
     """A reduce_sumsq hook that returned an int beyond the float range (a sum over ranks kept in Python ints)
     raised Python's bare OverflowError ("int too large to convert to float"); it is the float inf, as total_sumsq

@@ -3195,6 +3195,21 @@ def test_snapshot_bytes_of_refuses_a_state_of_another_structure_and_a_chunk_snap
     assert snapshot_bytes_of("none", ps, opt.init(ps)) == 0
 
 
+def test_resolve_block_hparams_refuses_an_n_blocks_that_is_no_count():
+    """sofx.speculation.decisions.resolve_block_hparams (public) with an n_blocks of "3", 2.0 or None raised
+    Python's bare TypeError ("'str' object cannot be interpreted as an integer"), and -1 gave no block, True one,
+    without a word. An HParamError names n_blocks and what was given, as begin_step refuses it; numpy ints count."""
+    np = pytest.importorskip("numpy")
+    from sofx.speculation.decisions import resolve_block_hparams
+
+    defaults = sofx.adamw().defaults
+    assert len(resolve_block_hparams(defaults, None, 2)) == 2
+    assert len(resolve_block_hparams(defaults, None, np.int64(3))) == 3
+    for bad in ("3", 2.0, None, -1, True):
+        with pytest.raises(sofx.HParamError, match=r"^n_blocks = .* is invalid; expected an integer >= 0"):
+            resolve_block_hparams(defaults, None, bad)
+
+
 def test_a_zero_grad_step_of_a_tree_block_steps_each_leaf_with_zeros(rng):
     """A block may be a pytree (speculative_step's leaves, the offload engine's per-parameter lists): a ``step``
     action with ``zero_grad`` (missing_grad="zero") raised torch's bare TypeError ("zeros_like(): argument 'input'

@@ -528,3 +528,22 @@ def test_pack_and_numel_of_refuse_a_lazy_modules_uninitialized_parameter_naming_
         with pytest.raises(ValueError, match=rf"^{who}: leaves\[1\] is an uninitialized parameter \(a lazy module's, "
                                              r"before its first forward\).*run a forward pass first"):
             call()
+
+
+def test_paths_index_and_named_leaves_name_what_they_refuse():
+    """The public helpers checked nothing: named_leaves of a by_path that is no mapping raised Python's bare
+    AttributeError ("'NoneType' object has no attribute 'get'"), paths_index(None) a bare TypeError ("'NoneType'
+    object is not iterable"), and paths_index of a str indexed its characters. Each is a TypeError naming the
+    function, the argument and what was given."""
+    by_path = tree.paths_index(tree.leaf_paths({"w": torch.ones(1), "b": torch.ones(1)}))
+    assert tree.named_leaves(by_path, "w") == [1]
+    for bad in (None, [1], "params['w']"):
+        with pytest.raises(TypeError, match=r"^named_leaves: by_path is (a|an) \w+, expected a mapping"):
+            tree.named_leaves(bad, "w")
+    with pytest.raises(TypeError, match=r"^named_leaves: name is an int, expected a str"):
+        tree.named_leaves(by_path, 3)
+    for bad, what in ((None, "a NoneType"), ("params", "a str"), ({"a": 1}.keys(), "a dict_keys")):
+        with pytest.raises(TypeError, match=rf"^paths_index: paths is {what}, expected a sequence of str"):
+            tree.paths_index(bad)
+    with pytest.raises(TypeError, match=r"^paths_index: paths\[1\] is an int, expected a str"):
+        tree.paths_index(["params[0]", 1])

@@ -408,7 +408,10 @@ def _is_hparams(x: Any) -> bool:
 
 def resolve_block_hparams(defaults: AdamHParams, hparams: Any, n_blocks: int) -> tuple[AdamHParams, ...]:
     """One complete :class:`AdamHParams` per block from ``None``, one ``AdamHParams`` for
-    all blocks, or a sequence of ``n_blocks`` of them (``None`` fields take ``defaults``)."""
+    all blocks, or a sequence of ``n_blocks`` of them (``None`` fields take ``defaults``). ``n_blocks`` no integer
+    >= 0: an :class:`HParamError` naming it (a str's, a float's, None's bare TypeError; -1 gave no block, True one)."""
+    if type(n_blocks) is not int or n_blocks < 0:  # (an int, begin_step's already checked one, read as is)
+        n_blocks = integer("n_blocks", n_blocks, 0)
     if hparams is None:
         hparams = AdamHParams()
     if not _is_hparams(hparams):
