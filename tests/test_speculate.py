@@ -1217,13 +1217,16 @@ def test_the_protocols_flags_that_are_not_bools_are_refused(rng, bad):
     (sp.Eligibility(True, "snapshots", "", 8), r"strategy = 'snapshots' is invalid; expected None or one of "),
     (sp.Eligibility(False, None, 42, 0), r"reason = 42 is invalid; expected a str \(why\), got int"),
     (sp.Eligibility(True, "snapshot", None, 8), r"reason = None is invalid; expected a str \(why\), got NoneType"),
+    (sp.Eligibility(True, "none", "", 0), r"eligible = True with strategy = 'none' is a contradiction"),
+    (sp.Eligibility(True, None, "", 0), r"eligible = True with strategy = None is a contradiction"),
 ])
 def test_an_eligibility_with_fields_of_other_kinds_is_refused_by_on_block_ready(bad, words):
     """on_block_ready reads an Eligibility's ``eligible``, ``strategy``, ``reason`` and ``snapshot_bytes``
     (block_eligibility makes one; an engine may make its own). Before, eligible="no" speculated the block, a
     negative snapshot_bytes lowered the snapshot held, so that later blocks were speculated beyond
     snapshot_budget_bytes, and a string raised a bare TypeError; a strategy of no undo record and a reason that is
-    no str were taken without a word, the reason into the decision's (and the plan's action's). Now a SofxError
+    no str were taken without a word, the reason into the decision's (and the plan's action's), and so was an
+    eligible block whose strategy is "none" or None (a step that cannot be undone, speculated). Now a SofxError
     names the block and the field."""
     opt = sofx.adamw()
     rule = loss_scale.grad_scaler()

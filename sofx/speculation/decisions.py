@@ -674,6 +674,10 @@ def on_block_ready(ctx: StepContext, tally: BackwardTally, block: int, sumsq: fl
         if not (strategy is None or (type(strategy) is str and strategy in STRATEGIES)):  # (taken into the decision)
             raise SofxError(f"{where} strategy = {strategy!r:.80} is invalid; expected None or one of {STRATEGIES} "
                             f"(an undo record's), got {_described(strategy)}")
+        if eligible and (strategy is None or strategy == "none"):  # (a step that cannot be undone was speculated)
+            raise SofxError(f"{where} eligible = True with strategy = {strategy!r} is a contradiction: a block whose "
+                            "step has no undo strategy is ineligible (Eligibility(False, ...)); an eligible one names "
+                            "the strategy its undo would use")
         if type(el.reason) is not str:  # (a number or None became the decision's reason, and the plan's action's)
             raise SofxError(f"{where} reason = {el.reason!r:.80} is invalid; expected a str (why), got "
                             f"{_described(el.reason)}")
