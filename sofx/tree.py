@@ -27,6 +27,7 @@ import optree
 import torch
 
 from sofx.errors import LeafError, StructureError
+from sofx.kernels.base import vmapped
 from sofx.kernels.donation import MemorySpans, unwritable
 from sofx.kernels.storage import in_storage, refuse_short_storage
 
@@ -612,6 +613,9 @@ def uninitialized_refusal(path: str) -> str:
             "or data; run a forward pass first")
 
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+
+
 def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
          device: torch.device | str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Copy ``leaves`` one after another into one flat 1-d tensor (``out`` if given, else a new one of ``dtype``,
@@ -625,7 +629,10 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
     it (a :class:`~sofx.errors.LeafError`: read after an earlier leaf was written there, it packed that leaf's
     values), but for one that is exactly its own place in ``out`` (:func:`unpack`'s views packed back); so is an
     ``out`` that cannot be written in place (:func:`~sofx.kernels.donation.unwritable`: a leaf that requires grad in
-    grad mode, an inference tensor outside inference mode, which torch refused after the first leaf was written)."""
+    grad mode, an inference tensor outside inference mode, which torch refused after the first leaf was written).
+    Under ``torch.func.vmap``, where a leaf is batched, the new buffer is batched too (each member's leaves packed);
+    an ``out`` that vmap does not batch is refused (a :class:`~sofx.errors.LeafError`: it cannot hold each member's
+    values)."""
     leaves = _tensor_leaves("pack", leaves)
     if out is not None and not isinstance(out, torch.Tensor):  # (a bare AttributeError from numel)
         raise TypeError(f"pack: out is {article(type(out).__name__)}, expected a 1-d tensor")
@@ -663,12 +670,21 @@ def pack(leaves: Sequence[torch.Tensor], dtype: torch.dtype | None = None,
             into = "out's dtype" if out is not None else "the dtype"
             raise TypeError(f"pack: leaves[{i}] of dtype {t.dtype} cannot be cast to {into} {target} without losing "
                             "its kind")
+    # (under torch.func.vmap a new buffer is not batched: writing a batched leaf into it raised torch's bare "vmap:
+    # inplace arithmetic(self, *extra_args) is not possible ...")
+    batched = next((i for i, t in enumerate(leaves) if _functorch_wrapped(t) and vmapped(t)), None)
     if out is None:
+        if batched is not None:  # (made from the leaves, each member's; an unbatched leaf is every member's)
+            return torch.cat([t.reshape(-1).to(device=where, dtype=target) for t in leaves])
         out = torch.empty(n, dtype=target, device=where)
     else:
         why = unwritable("pack: out", out)  # (requires grad, inference, elements overlapping: torch's bare errors)
         if why is not None:
             raise LeafError(why)
+        if batched is not None and not vmapped(out):
+            raise LeafError(f"pack: leaves[{batched}] is batched by torch.func.vmap, out is not: one buffer shared by "
+                            "the batch cannot hold each member's values; give no out (a new batched buffer is made) "
+                            "or an out batched as the leaves are")
         _refuse_leaves_in_out(leaves, out)
     offset = 0
     for t in leaves:

@@ -547,3 +547,25 @@ def test_paths_index_and_named_leaves_name_what_they_refuse():
             tree.paths_index(bad)
     with pytest.raises(TypeError, match=r"^paths_index: paths\[1\] is an int, expected a str"):
         tree.paths_index(["params[0]", 1])
+
+
+def test_pack_under_vmap_makes_a_batched_buffer_and_refuses_an_out_shared_by_the_batch(rng):
+    """tree.pack under torch.func.vmap without out= raised torch's bare "vmap: inplace arithmetic(self,
+    *extra_args) is not possible ..." (a new buffer is not batched, the leaves are). The buffer is made from the
+    leaves (each member's leaves packed, cast to the dtype); an out= that vmap does not batch, where a leaf is
+    batched, is a LeafError naming it (a batched out still packs in place)."""
+    a, b = torch.randn(3, 4, generator=rng), torch.randn(3, 2, 2, generator=rng)
+    got = torch.func.vmap(lambda x, y: tree.pack([x, y]))(a, b)
+    assert torch.equal(got, torch.cat([a, b.reshape(3, 4)], dim=1))
+    got = torch.func.vmap(lambda x, y: tree.pack([x, y], dtype=torch.float64))(a, b)
+    assert got.dtype == torch.float64 and torch.equal(got, torch.cat([a, b.reshape(3, 4)], dim=1).double())
+    one = torch.randn(2, generator=rng)  # (a leaf vmap does not batch beside a batched one: each member's copy)
+    got = torch.func.vmap(lambda x: tree.pack([one, x]))(a)
+    assert torch.equal(got, torch.cat([one.expand(3, 2), a], dim=1))
+    out = torch.zeros(3, 8)
+    torch.func.vmap(lambda x, y, o: tree.pack([x, y], out=o))(a, b, out)
+    assert torch.equal(out, torch.cat([a, b.reshape(3, 4)], dim=1))
+    shared = torch.zeros(8)
+    with pytest.raises(sofx.LeafError, match=r"^pack: leaves\[1\] is batched by torch.func.vmap, out is not"):
+        torch.func.vmap(lambda x: tree.pack([one, x, one], out=shared))(torch.randn(3, 4, generator=rng))
+    assert not shared.any()
