@@ -966,6 +966,24 @@ def test_a_shard_holds_its_owners_in_one_form():
         Shard(0, 2, (0, True), spec)
 
 
+def test_owned_by_refuses_a_rank_outside_the_world():
+    """Shard.owned_by(rank) of a rank outside [0, world_size) (2 of 2 ranks, -1, a float, a bool) returned () as a
+    rank that owns nothing: refused naming the rank and the world size; a numpy rank is read as an int."""
+    from sofx.distributed import Shard
+
+    _, spec = sofx.tree.flatten({"p": torch.zeros(2), "q": torch.zeros(3)})
+    shard = Shard(0, 2, (0, 1), spec)
+    assert shard.owned_by(0) == (0,) and shard.owned_by(1) == (1,)
+    for rank, pattern in ((2, r"Shard.owned_by: rank 2 is not in \[0, 2\) \(the shard's world_size is 2\)"),
+                          (-1, r"Shard.owned_by: rank = -1 is invalid; expected an integer >= 0"),
+                          (0.0, r"Shard.owned_by: rank = 0.0 is invalid"),
+                          (True, r"Shard.owned_by: rank = True is invalid")):
+        with pytest.raises(sofx.SofxError, match=pattern):
+            shard.owned_by(rank)
+    np = pytest.importorskip("numpy")
+    assert shard.owned_by(np.int64(1)) == (1,)
+
+
 def test_a_rank_that_refuses_a_step_makes_every_rank_refuse_it(ranks2, ranks3):
     """Rank 1 passes a gradient of the wrong shape, or its schedule raises, in the serial and the speculative
     loop (donated too): it raises its own error, every other rank RankRefusedError naming rank 1 (before, they

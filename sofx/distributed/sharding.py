@@ -100,7 +100,11 @@ class Shard:
         return tuple(i for i, o in enumerate(self.owners) if o == self.rank)
 
     def owned_by(self, rank: int) -> tuple[int, ...]:
-        """The leaf indices rank ``rank`` owns."""
+        """The leaf indices rank ``rank`` owns; a rank outside ``[0, world_size)`` is refused (it owned ``()``)."""
+        rank = integer("Shard.owned_by: rank", rank, 0, SofxError)
+        if not rank < self.world_size:
+            raise SofxError(f"Shard.owned_by: rank {rank} is not in [0, {self.world_size}) (the shard's world_size "
+                            f"is {self.world_size})")
         return tuple(i for i, o in enumerate(self.owners) if o == rank)
 
     def local(self, full: Any, what: str = "tree") -> list[Any]:
