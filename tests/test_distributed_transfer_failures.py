@@ -113,3 +113,67 @@ def test_a_rank_that_stops_after_the_agreement_is_a_clear_error_and_changes_noth
     assert res["cause"] == "RuntimeError"
     for k, before in res["before"].items():  # (all_reduce_mean_ wrote its first bucket's mean into "a")
         assert torch.equal(res["after"][k], before), k
+
+
+# gloo's errors where a rank is missing (its timeout; the connections an earlier timeout closed; a peer that exited),
+# and one that every rank raises at the call (a dtype gloo cannot send)
+GLOO_LOST = ("[/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 2000ms for recv "
+             "operation to complete", "Application timeout caused pair closure",
+             "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:12677. "
+             "This is typically caused by a remote worker crashing.")
+AT_THE_CALL = "Invalid scalar type"
+
+
+class _FailingDist:
+    """A stand-in for ``torch.distributed`` whose collectives raise ``RuntimeError(text)``."""
+
+    ReduceOp = torch.distributed.ReduceOp
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def get_world_size(self, group=None) -> int:
+        return 2
+
+    def all_reduce(self, *args, **kwargs) -> None:
+        raise RuntimeError(self.text)
+
+    all_gather = all_gather_object = all_reduce
+
+
+def test_an_error_of_every_rank_at_the_call_is_torchs_not_a_missing_rank(monkeypatch):
+    """Every backend RuntimeError after the ranks' agreement (and in the agreement's all-reduce, and a step's
+    all_gather of all_reduce_sumsq) was reported as a rank that did not take part within the group's timeout, also
+    gloo's 'Invalid scalar type' that every rank raises at once at the call. Only a timeout or a closed connection
+    blames a missing rank now; another error is 'the collective failed', with torch's words."""
+    from sofx import SofxError
+    from sofx.distributed import agreement, groups, sumsq
+
+    for text in GLOO_LOST:
+        err = groups._data_failure("Shard.gather", RuntimeError(text), STAGES["Shard.gather"], "nothing changed")
+        assert str(err).startswith("Shard.gather: a rank did not take part in the broadcast of the owners' leaves "
+                                   f"(RuntimeError: {text}) within the process group's timeout"), str(err)
+    err = groups._data_failure("Shard.gather", RuntimeError(AT_THE_CALL), STAGES["Shard.gather"], "nothing changed")
+    assert str(err).startswith("Shard.gather: the collective failed in the broadcast of the owners' leaves "
+                               "(RuntimeError: Invalid scalar type); nothing changed; "), str(err)
+    assert "did not take part" not in str(err) and "within the process group's timeout" not in str(err), str(err)
+
+    monkeypatch.setattr(agreement, "dist", _FailingDist(AT_THE_CALL))
+    with pytest.raises(SofxError, match=r"^Shard.reduce_mean: the collective failed in this call's agreement "
+                                        r"\(RuntimeError: Invalid scalar type\); no data moved; ") as info:
+        agreement._digests_agree("entries", None, torch.device("cpu"), "Shard.reduce_mean")
+    assert "did not take part" not in str(info.value)
+    monkeypatch.setattr(agreement, "dist", _FailingDist(GLOO_LOST[1]))
+    with pytest.raises(SofxError, match=r"^Shard.reduce_mean: a rank did not take part in this call's agreement"):
+        agreement._digests_agree("entries", None, torch.device("cpu"), "Shard.reduce_mean")
+
+    monkeypatch.setattr(sumsq, "require_initialized", lambda *args: None)
+    monkeypatch.setattr(sumsq, "dist", _FailingDist(AT_THE_CALL))
+    with pytest.raises(SofxError, match=r"^all_reduce_sumsq: the collective failed in this step's reduction of the "
+                                        r"sum of squares \(RuntimeError: Invalid scalar type\); nothing was stepped "
+                                        "on this rank; ") as info:
+        sumsq.SumsqReduce(None, "cpu")._gather(0.5, refused=False)
+    assert "did not take part" not in str(info.value)
+    monkeypatch.setattr(sumsq, "dist", _FailingDist(GLOO_LOST[0]))
+    with pytest.raises(SofxError, match=r"^all_reduce_sumsq: a rank did not take part in this step's reduction"):
+        sumsq.SumsqReduce(None, "cpu")._gather(0.5, refused=False)

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from sofx import tree
-from sofx.distributed.groups import _data_failure, dist
+from sofx.distributed.groups import _collective_failure, _data_failure, _lost_rank, dist
 from sofx.errors import SofxError
 
 
@@ -76,6 +76,8 @@ def _digests_agree(text: str, group: Any, dev: torch.device, what: str = "sofx.d
     except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
         if refused is not None:
             raise refused from exc
+        if not _lost_rank(exc):
+            raise _collective_failure(what, exc, "this call's agreement", "no data moved") from exc
         raise SofxError(f"{what}: a rank did not take part in this call's agreement ({type(exc).__name__}: {exc}) "
                         "within the process group's timeout (or it exited, or an earlier timeout closed the group): "
                         "a rank that raised in its own code before it, or skipped it; every rank must make the same "

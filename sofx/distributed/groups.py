@@ -79,11 +79,41 @@ def _global_rank(group: Any, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
 
 
+# Words of a backend error where a rank is missing: gloo's ("Timed out waiting 2000ms for recv operation to complete",
+# "Application timeout caused pair closure", "Connection closed by peer [addr]", "Connection reset by peer", a broken
+# pipe), NCCL's (a watchdog's timeout, an aborted communicator, "remote process exited or there was a network error")
+_LOST_RANK_WORDS = ("timed out", "timeout", "connection", "closed by peer", "reset by peer", "broken pipe", "abort",
+                    "network error", "remote process")
+
+
+def _lost_rank(exc: BaseException) -> bool:
+    """Whether the backend error ``exc`` of a collective says that a rank is missing (a timeout, a connection closed
+    or reset: torch's ``DistNetworkError``, or gloo's and NCCL's words for it), not an error every rank meets at the
+    call (gloo's ``Invalid scalar type`` for a dtype it cannot send, say)."""
+    network = getattr(dist, "DistNetworkError", None) if dist is not None else None
+    if network is not None and isinstance(exc, network):
+        return True
+    text = str(exc).lower()
+    return any(word in text for word in _LOST_RANK_WORDS)
+
+
+def _collective_failure(what: str, exc: BaseException, stage: str, unchanged: str) -> SofxError:
+    """The error of collective ``what`` whose backend call of ``stage`` failed with ``exc``, an error that names no
+    missing rank (no timeout, no closed connection: :func:`_lost_rank`): torch's words, no rank blamed."""
+    return SofxError(f"{what}: the collective failed in {stage} ({type(exc).__name__}: {exc}); {unchanged}; torch "
+                     "raised it on this rank, and it names no missing rank (no timeout or closed connection): an "
+                     "error that every rank meets at the call (a dtype or device the process group's backend does "
+                     "not support) leaves the group usable")
+
+
 def _data_failure(what: str, exc: BaseException, stage: str, unchanged: str) -> SofxError:
     """The error of collective ``what`` whose backend call of ``stage`` (after the ranks' first agreement) failed
     with ``exc``: gloo's bare ``RuntimeError`` (NCCL's ``DistBackendError`` is one too), where a rank exited or
     failed since that agreement, or stayed in a call of its own past the group's timeout. ``unchanged``: what of
-    this rank's is as it was before the call (nothing was half-written)."""
+    this rank's is as it was before the call (nothing was half-written). An error that names no missing rank (an
+    unsupported dtype, every rank's at the call) is torch's words, no rank blamed (:func:`_collective_failure`)."""
+    if not _lost_rank(exc):
+        return _collective_failure(what, exc, stage, unchanged)
     return SofxError(f"{what}: a rank did not take part in {stage} ({type(exc).__name__}: {exc}) within the process "
                      "group's timeout (it exited or failed after the ranks' agreement, or a call of its own took "
                      f"longer than the timeout); {unchanged}; the process group may be unusable now (gloo closes its "

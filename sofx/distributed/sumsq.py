@@ -18,7 +18,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from sofx.distributed.agreement import _difference, _shortened
-from sofx.distributed.groups import _collective_device, _data_failure, dist, require_initialized
+from sofx.distributed.groups import (_collective_device, _collective_failure, _data_failure, _lost_rank, dist,
+                                     require_initialized)
 from sofx.distributed.refusals import RankRefusedError, _as_refusal
 from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _entries, _setup_entries, _setup_hint
 from sofx.errors import SofxError
@@ -151,6 +152,9 @@ class SumsqReduce:
         except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
             if refused:  # (refuse raises this rank's own error, the step's cause)
                 raise
+            if not _lost_rank(exc):
+                raise _collective_failure("all_reduce_sumsq", exc, "this step's reduction of the sum of squares",
+                                          "nothing was stepped on this rank") from exc
             raise SofxError(f"all_reduce_sumsq: a rank did not take part in this step's reduction of the sum of "
                             f"squares ({type(exc).__name__}: {exc}) within the process group's timeout (or it "
                             "exited): a rank that raised in its own code before its step, took fewer steps or "
