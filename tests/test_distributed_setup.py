@@ -105,6 +105,8 @@ def _all_reduce_sumsq(rank: int) -> dict:
     out["keyword"] = _message(lambda: built(**_setup(rank), **({"scalar": None} if bad else {})))
     out["positional"] = _message(lambda: sd.all_reduce_sumsq(None, *(["cpu"] if bad else [])) and "built")
     out["device"] = _message(lambda: built(device="meta" if bad else None))
+    out["meta"] = _message(lambda: built(device="meta"))  # (on every rank)
+    out["not the backend's"] = _message(lambda: built(device="xpu" if bad else None))
     out["no device"] = _message(lambda: built(device="nowhere" if bad else None))
     return out
 
@@ -195,8 +197,7 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
             "scaler": "scaler.growth_interval differs between ranks: 2000 on rank 0; 1000 on rank 1",
             "config": "config.max_norm differs between ranks: 1 on rank 0; 2 on rank 1",
             "hparams": "hparams(0)['p'].lr differs between ranks: 0.01 on rank 0; 0.02 on rank 1 (and 1 more: "
-                       "hparams(1)['p'].lr)",
-            "device": "device differs between ranks: cpu on rank 0; meta on rank 1"}
+                       "hparams(1)['p'].lr)"}
     for res in ranks:
         got = res["all_reduce_sumsq"]
         assert got["same"] == "built: 3.0", got
@@ -217,6 +218,18 @@ def test_the_hook_is_built_only_where_every_rank_is_set_up_the_same(ranks):
                            "keywords device, params, opt, scaler, config, hparams, settings")
     refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "no device",
                           "all_reduce_sumsq: this rank's input could not be read (RuntimeError: Expected one of")
+    # a meta device held the hook's sums (no data: every step's collective then failed, Python's bare
+    # NotImplementedError 'Cannot copy out of meta tensor'); refused at setup, on one rank or on every rank
+    meta = ("all_reduce_sumsq: device='meta': a meta tensor holds no data, and the sums of squares could not "
+            "travel there; pass a device of this process that the process group's backend (gloo: cpu, cuda) runs "
+            "collectives on, or None")
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "device", meta)
+    for res in ranks:
+        assert meta in res["all_reduce_sumsq"]["meta"], res["all_reduce_sumsq"]["meta"]
+    refused_on_every_rank(ranks, BAD, "all_reduce_sumsq", "not the backend's",
+                          "all_reduce_sumsq: device='xpu': the process group's backend runs no collectives on a xpu "
+                          "device; pass a device of this process that the process group's backend (gloo: cpu, cuda) "
+                          "runs collectives on, or None")
 
 
 def test_check_same_setup_names_the_setting_that_differs_on_every_rank(ranks):

@@ -288,10 +288,40 @@ def all_reduce_sumsq(group: Any = None, *extra: Any, device: torch.device | str 
 
 def _device_type(group: Any, device: torch.device | str | None) -> str:
     """The type of the device the hook's sums travel on, refused where this process cannot hold a tensor there
-    (the hook would fail on this rank alone at the first step)."""
+    (the hook would fail on this rank alone at the first step), where it is the meta device (no data: every step's
+    collective failed), or where the group's backend runs no collectives on that type of device (the backend
+    config ``torch.distributed.get_backend_config`` names, ``cpu:gloo,cuda:gloo``: gloo on ``xpu``, NCCL on the
+    CPU)."""
     dev = _collective_device(group, device)
+    devices = _backend_devices(group)
+    usable = ("; pass a device of this process that the process group's backend "
+              f"({', '.join(f'{b}: {t}' for b, t in devices.items())}) runs collectives on, or None"
+              if devices else "; pass a device of this process, or None")
+    if dev.type == "meta":
+        raise SofxError(f"all_reduce_sumsq: device={device!r}: a meta tensor holds no data, and the sums of "
+                        f"squares could not travel there{usable}")
+    if devices and not any(dev.type in types.split(", ") for types in devices.values()):
+        raise SofxError(f"all_reduce_sumsq: device={device!r}: the process group's backend runs no collectives "
+                        f"on a {dev.type} device{usable}")
     try:
         torch.empty(0, device=dev)
     except Exception as e:
         raise SofxError(f"all_reduce_sumsq: device={device!r}: this process cannot hold a tensor there ({e})") from e
     return dev.type
+
+
+def _backend_devices(group: Any) -> dict[str, str]:
+    """The group's backends and the types of device each runs collectives on (``{"gloo": "cpu, cuda"}``), read from
+    its backend config (``cpu:gloo,cuda:gloo``); empty where that cannot be read as such (a backend of one's own
+    registered otherwise: nothing is refused by it)."""
+    try:
+        config = str(dist.get_backend_config(group))
+    except Exception:  # (a build of torch without get_backend_config, a group it cannot describe)
+        return {}
+    out: dict[str, list[str]] = {}
+    for part in config.split(","):
+        kind, sep, backend = part.strip().partition(":")
+        if not sep or not kind or not backend:
+            return {}
+        out.setdefault(backend, []).append(kind)
+    return {backend: ", ".join(kinds) for backend, kinds in out.items()}
