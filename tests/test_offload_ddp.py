@@ -28,6 +28,7 @@ import gc
 import math
 import time
 import warnings
+import weakref
 from typing import Callable, Iterator, Sequence
 
 import pytest
@@ -1960,6 +1961,38 @@ def test_the_hook_scales_a_bucket_view_grad_kept_since_the_last_backward_as_ddp_
         expected[0], expected[2] = original[:300] / world, original[600:900] / world
         assert not torch.equal(expected[0], original[:300] * (1.0 / world))  # (the case is telling)
     assert torch.equal(bucket.buffer(), torch.cat(expected))
+
+
+def test_the_hook_scales_another_optimizers_parameters_as_ddp_does() -> None:
+    """A parameter of the DDP module that the engine does not step (another optimizer's) was always multiplied by
+    1 / world_size, where DDP divides in place a ``.grad`` that is its bucket view (``zero_grad(set_to_none=False)``
+    in that optimizer, or two synchronized backwards before its step): on 3 ranks its average was not DDP's in the
+    last bit (checked side by side with DDP + torch.optim.AdamW on 3 gloo ranks, bitwise now). The route notes
+    where autograd accumulated into such a ``.grad`` (a post-accumulate-grad hook, before DDP's reducer copies it)
+    and divides a bucket view accumulated into; given no gradient in this backward (unused), a ``.grad`` that is
+    its bucket view. Here a real backward accumulates into two of four parameters of a 3-rank route."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(300)) for _ in range(4)]
+    bucket = _Bucket(torch.randn(1200, generator=gen), params)
+    views = bucket.gradients()
+    params[0].grad, params[2].grad = views[0], views[2]  # (bucket views kept from an earlier backward)
+    route = sofx.offload.ddp.DDPRoute(None, 3)
+    engine = _Kept(set())
+    route._engine, route._index = (lambda: engine), {}  # (a live engine stepping none of these)
+    note = functools.partial(sofx.offload.ddp._note_accumulated, weakref.ref(route))
+    for p in params:
+        p.register_post_accumulate_grad_hook(note)
+    coefs = torch.randn(2, 300, generator=gen)
+    ((params[0] * coefs[0]).sum() + (params[1] * coefs[1]).sum()).backward()  # (2 and 3 unused)
+    views[1].copy_(params[1].grad)  # (DDP's copy of a fresh .grad into its view, which then is .grad)
+    params[1].grad = views[1]
+    before = bucket.buffer().clone().split(300)
+    sofx.offload.ddp._scale_for_average(route, bucket)
+    expected = [before[0] / 3, before[1] * (1.0 / 3), before[2] / 3, before[3] * (1.0 / 3)]
+    assert not torch.equal(expected[0], before[0] * (1.0 / 3))  # (the case is telling)
+    assert not torch.equal(expected[2], before[2] * (1.0 / 3))
+    assert torch.equal(bucket.buffer(), torch.cat(expected))
+    assert route._accumulated == {}  # (each note read once, at its synchronized backward)
 
 
 class _Unread(_Bucket):

@@ -72,6 +72,9 @@ class DDPRoute:
         self._index: dict[int, int] = {}  # id(parameter) -> the engine's index of it
         self._closed = False  # the engine was closed, and another rank's may still take part in the exchanges
         self.rebuilt = False  # whether the DDP module had rebuilt its buckets at its last forward (_after_forward)
+        # id(parameter) -> where its .grad was as autograd last accumulated into it (_note_accumulated): for the
+        # module's parameters the engine does not step (another optimizer's), which _scale_for_average reads
+        self._accumulated: dict[int, int] = {}
 
     def owner(self) -> OffloadEngine | None:
         """The engine taking the gradients now (``None``: none, or it was collected)."""
@@ -194,7 +197,14 @@ def _scale_for_average(route: DDPRoute, bucket: Any) -> None:
     synchronized backward of an accumulation was not DDP's average. Such a ``.grad`` is the tensor DDP left at the
     end of the step's last synchronized backward (the engine's :meth:`~sofx.offload.engine.OffloadEngine.
     grad_kept_since_reduced`) and a view of this bucket: none where the DDP module makes no bucket views
-    (``route.bucket_view`` false), whose buffer is multiplied at once, its parameters not read."""
+    (``route.bucket_view`` false), whose buffer is multiplied at once, its parameters not read.
+
+    A parameter of the module the engine does not step (another optimizer's: a ``torch.optim`` optimizer that
+    keeps its ``.grad`` through ``zero_grad(set_to_none=False)``, or two synchronized backwards before its step) is
+    divided where autograd accumulated into its bucket view in this backward (:func:`_note_accumulated`, before
+    DDP's copy), or, given no gradient since the last synchronized backward (unused: ``find_unused_parameters``),
+    where its ``.grad`` is its bucket view (multiplied always, its average was not DDP's in the last bit on 3
+    ranks)."""
     buffer, world = bucket.buffer(), route.world_size
     engine = route.owner()
     # (x * (1 / 2**k) is x / 2**k; a closed engine keeps nothing; without bucket views DDP copies every .grad)
@@ -205,7 +215,12 @@ def _scale_for_average(route: DDPRoute, bucket: Any) -> None:
     divided = []
     for p, view in zip(bucket.parameters(), views):
         index, grad = route._index.get(id(p)), p.grad
-        divided.append(index is not None and grad is not None and grad.data_ptr() == view.data_ptr()
+        if index is None:  # (another optimizer's: where autograd accumulated, else where DDP found its .grad)
+            noted = route._accumulated.pop(id(p), None)
+            divided.append(view.data_ptr() == (noted if noted is not None else
+                                               grad.data_ptr() if grad is not None else None))
+            continue
+        divided.append(grad is not None and grad.data_ptr() == view.data_ptr()
                        and engine.grad_kept_since_reduced(index))
     if not any(divided):
         buffer.mul_(1.0 / world)
@@ -564,8 +579,23 @@ def ddp_route(ddp: Any) -> DDPRoute:
     ddp.join_hook = functools.partial(_join_hook, weakref.ref(ddp), route)
     route.rebuilt = bool(getattr(ddp, "_has_rebuilt_buckets", False))
     ddp.register_forward_hook(functools.partial(_after_forward, route), always_call=True)
+    if route.bucket_view and route.world_size & (route.world_size - 1):  # (what _scale_for_average reads)
+        note = functools.partial(_note_accumulated, weakref.ref(route))
+        for p in ddp.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(note)
     setattr(ddp, _ROUTE_ATTRIBUTE, route)
     return route
+
+
+def _note_accumulated(route_ref: "weakref.ReferenceType[DDPRoute]", p: torch.Tensor) -> None:
+    """A hook of autograd's accumulation into ``p.grad``, which runs before DDP's reducer sees the gradient: notes
+    where ``p.grad`` is now (DDP then divides it in place where that is its bucket view: accumulated into the view
+    that an earlier synchronized backward left, or copies it, :func:`_scale_for_average`). A route collected (its
+    DDP module gone) notes nothing."""
+    route = route_ref()
+    if route is not None and p.grad is not None:
+        route._accumulated[id(p)] = p.grad.data_ptr()
 
 
 def _after_forward(route: DDPRoute, ddp: Any, args: Any, output: Any) -> None:
