@@ -1995,6 +1995,30 @@ def test_the_hook_scales_another_optimizers_parameters_as_ddp_does() -> None:
     assert route._accumulated == {}  # (each note read once, at its synchronized backward)
 
 
+def test_an_exchange_error_that_names_no_missing_rank_is_torchs() -> None:
+    """The ranks' exchange at a synchronized backward, and at a step() without one, reported every RuntimeError of
+    its collective as a rank that did not take part within the group's timeout, also an error every rank raises at
+    the call (gloo's 'Invalid scalar type'); only a timeout or a closed connection blames a missing rank now."""
+    def failing(text: str):
+        def exchange() -> None:
+            raise RuntimeError(text)
+        return exchange
+
+    with pytest.raises(sofx.SofxError, match=r"^backward under DDP: the collective failed in the ranks' exchange at "
+                                             r"this synchronized backward \(RuntimeError: Invalid scalar type\); "
+                                             "nothing was stepped; ") as info:
+        sofx.offload.ddp._exchanging(failing("Invalid scalar type"))
+    assert "did not take part" not in str(info.value)
+    with pytest.raises(sofx.SofxError, match=r"^backward under DDP: a rank did not take part in the ranks' exchange"):
+        sofx.offload.ddp._exchanging(failing("Application timeout caused pair closure"))
+    err = str(sofx.offload.ddp.unmatched_step_error(RuntimeError("Invalid scalar type")))
+    assert err.startswith("step() under DDP without a synchronized backward: the collective failed in the ranks' "
+                          "exchange of this step() (RuntimeError: Invalid scalar type); nothing was stepped; "), err
+    assert "did not take part" not in err
+    err = str(sofx.offload.ddp.unmatched_step_error(RuntimeError("Timed out waiting 2000ms for recv operation")))
+    assert "a rank did not take part in the ranks' exchange of this step() within the process group's timeout" in err
+
+
 class _Unread(_Bucket):
     """A :class:`_Bucket` that fails where its parameters or views are read."""
 

@@ -159,12 +159,18 @@ class DDPRoute:
 def _exchanging(exchange: Any) -> None:
     """``exchange()``, the ranks' exchange at bucket 0 of a synchronized backward (and the comparison it decides):
     where its collective fails (gloo's bare ``RuntimeError``: a rank that never came to this backward, within the
-    process group's timeout), a :class:`SofxError` naming it and the likely causes, gloo's error its cause."""
+    process group's timeout), a :class:`SofxError` naming it and the likely causes, gloo's error its cause; an error
+    that names no missing rank (no timeout or closed connection) is torch's words, no rank blamed."""
     try:
         exchange()
     except SofxError:
         raise
     except RuntimeError as exc:  # (gloo's timeout, or its peer gone; NCCL's DistBackendError is one too)
+        from sofx.distributed.groups import _collective_failure, _lost_rank
+
+        if not _lost_rank(exc):  # (an error every rank meets at the call: torch's words, no rank blamed)
+            raise _collective_failure("backward under DDP", exc, "the ranks' exchange at this synchronized backward",
+                                      "nothing was stepped") from exc
         raise SofxError("backward under DDP: a rank did not take part in the ranks' exchange at this synchronized "
                         f"backward ({type(exc).__name__}: {exc}) within the process group's timeout (or it exited); "
                         "likely causes: a rank that raised in its own code before its backward, or skipped it (every "
@@ -443,7 +449,13 @@ def _closed_error(rank: int) -> SofxError:
 def unmatched_step_error(exc: BaseException) -> SofxError:
     """The error of a ``step()`` without a synchronized backward whose exchange (:meth:`ReplicaWatch.exchange`, a
     collective of that ``step()``) failed with ``exc``: a rank did not take part in it within the process group's
-    timeout (gloo's ``RuntimeError``), naming the likely causes."""
+    timeout (gloo's ``RuntimeError``), naming the likely causes; an error that names no missing rank (no timeout
+    or closed connection) is torch's words, no rank blamed."""
+    from sofx.distributed.groups import _collective_failure, _lost_rank
+
+    if not _lost_rank(exc):
+        return _collective_failure("step() under DDP without a synchronized backward", exc,
+                                   "the ranks' exchange of this step()", "nothing was stepped")
     return SofxError("step() under DDP without a synchronized backward (every backward of the step under no_sync(), "
                      "or none) is a collective: a rank did not take part in the ranks' exchange of this step() within "
                      f"the process group's timeout ({type(exc).__name__}: {exc}); likely causes: a rank whose "
