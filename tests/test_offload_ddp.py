@@ -1995,6 +1995,37 @@ def test_the_hook_scales_another_optimizers_parameters_as_ddp_does() -> None:
     assert route._accumulated == {}  # (each note read once, at its synchronized backward)
 
 
+@pytest.mark.parametrize("gone", ["closed", "collected"])
+def test_the_hook_of_a_closed_optimizer_scales_as_ddp_does(gone: str) -> None:
+    """With every rank's optimizer closed (or collected without close()), DDP "averages for torch.optim, as without
+    a hook" (the hook stays: DDP takes no hook back); it multiplied every gradient by 1 / world_size, where DDP
+    divides in place a ``.grad`` that is its bucket view (the last bit on 3 ranks). It scales them as another
+    optimizer's parameters (the route's notes of where autograd accumulated)."""
+    gen = torch.Generator().manual_seed(0)
+    params = [nn.Parameter(torch.zeros(300)) for _ in range(2)]
+    bucket = _Bucket(torch.randn(600, generator=gen), params)
+    views = bucket.gradients()
+    params[0].grad = views[0]  # (a bucket view kept from an earlier backward)
+    route = sofx.offload.ddp.DDPRoute(None, 3)
+    engine = _Kept({0, 1})
+    route._engine, route._index = (lambda: engine), {id(p): i for i, p in enumerate(params)}
+    if gone == "closed":
+        route.unbind(engine)
+    else:
+        route._engine = weakref.ref(_Kept(set()))  # (collected at once: its index kept)
+    note = functools.partial(sofx.offload.ddp._note_accumulated, weakref.ref(route))
+    for p in params:
+        p.register_post_accumulate_grad_hook(note)
+    coefs = torch.randn(2, 300, generator=gen)
+    ((params[0] * coefs[0]).sum() + (params[1] * coefs[1]).sum()).backward()
+    views[1].copy_(params[1].grad)  # (DDP's copy of a fresh .grad into its view, which then is .grad)
+    params[1].grad = views[1]
+    before = bucket.buffer().clone().split(300)
+    sofx.offload.ddp._scale_for_average(route, bucket)
+    assert not torch.equal(before[0] / 3, before[0] * (1.0 / 3))  # (the case is telling)
+    assert torch.equal(bucket.buffer(), torch.cat([before[0] / 3, before[1] * (1.0 / 3)]))
+
+
 def test_an_exchange_error_that_names_no_missing_rank_is_torchs() -> None:
     """The ranks' exchange at a synchronized backward, and at a step() without one, reported every RuntimeError of
     its collective as a rank that did not take part within the group's timeout, also an error every rank raises at

@@ -210,17 +210,19 @@ def _scale_for_average(route: DDPRoute, bucket: Any) -> None:
     divided where autograd accumulated into its bucket view in this backward (:func:`_note_accumulated`, before
     DDP's copy), or, given no gradient since the last synchronized backward (unused: ``find_unused_parameters``),
     where its ``.grad`` is its bucket view (multiplied always, its average was not DDP's in the last bit on 3
-    ranks)."""
+    ranks). So is every parameter once the engine is closed or collected (DDP then averages for ``torch.optim``
+    as without a hook; the hook stays: DDP takes no hook back)."""
     buffer, world = bucket.buffer(), route.world_size
     engine = route.owner()
-    # (x * (1 / 2**k) is x / 2**k; a closed engine keeps nothing; without bucket views DDP copies every .grad)
-    if world & (world - 1) == 0 or engine is None or not route.bucket_view:
+    # (x * (1 / 2**k) is x / 2**k; without bucket views DDP copies every .grad)
+    if world & (world - 1) == 0 or not route.bucket_view:
         buffer.mul_(1.0 / world)
         return
     views = bucket.gradients()
     divided = []
     for p, view in zip(bucket.parameters(), views):
-        index, grad = route._index.get(id(p)), p.grad
+        # (a closed or collected engine steps none: every parameter is as another optimizer's)
+        index, grad = route._index.get(id(p)) if engine is not None else None, p.grad
         if index is None:  # (another optimizer's: where autograd accumulated, else where DDP found its .grad)
             noted = route._accumulated.pop(id(p), None)
             divided.append(view.data_ptr() == (noted if noted is not None else
