@@ -1200,6 +1200,16 @@ def test_a_longdouble_hparam_no_float_holds_is_refused_as_the_checkpoint_codec_r
     assert ck.from_torch_optim(sofx.adamw(), sd, params)[1].lr == 0.5
 
 
+@pytest.mark.parametrize("betas", [{0.999, 0.9}, {0.9: 0, 0.999: 1}, "ab", iter([0.9, 0.999])],
+                         ids=["set", "dict", "str", "iterator"])
+def test_saved_betas_that_are_no_pair_are_refused_naming_the_entry(betas):
+    """A saved group's betas that are no pair were taken apart by ``b1, b2 = betas``: a set of two numbers imported
+    in its iteration order ({0.999, 0.9}: beta1=0.999, beta2=0.9, without a word), a dict's keys and an iterator's
+    items were taken, a two-character str refused as betas[0] 'a' ; a tuple or list, or a tensor or numpy array
+    of two elements (torch.optim's forms), else refused naming the entry."""
+    _refused_at_import("betas", betas, r"\['betas'\]: expected a pair \(beta1, beta2\)")
+
+
 def test_torch_param_groups_refuses_what_is_no_sofx_adam_or_a_leaf_that_is_no_tensor():
     """torch_param_groups(3, params) raised Python's bare AttributeError ("'int' object has no attribute
     'resolve_hparams'"), and of an optimizer without bias correction it made groups torch's Adam steps with bias

@@ -110,6 +110,13 @@ def is_saved_flag(x: Any) -> bool:
     return is_bool(x) or (type(x) is int and x in (0, 1))
 
 
+def _pair_form(betas: Any) -> bool:
+    """Whether saved ``betas`` have a form torch.optim takes a pair in: a tuple or list, a tensor or a numpy array
+    (their sizes are checked as they are taken apart). A set, a dict, a str or an iterator is none: taken apart,
+    a set gives its iteration order, a dict its keys."""
+    return isinstance(betas, (tuple, list, torch.Tensor)) or type(betas).__module__ == "numpy"
+
+
 def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError] = CheckpointError, *,
                   float32: str | None = None, range_error: type[CheckpointError] = CheckpointError,
                   half: bool = False) -> AdamHParams:
@@ -133,6 +140,9 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
     betas = group.get("betas") if isinstance(group, dict) else None
     if isinstance(betas, torch.Tensor) and not in_storage(betas):  # (taken apart below: torch's bare RuntimeError)
         refuse_short_storage(betas, f"{at}['betas']", error)
+    if betas is not None and not _pair_form(betas):  # (b1, b2 = {0.999, 0.9}: a set's iteration order, no word)
+        raise error(f"{at}['betas']: expected a pair (beta1, beta2): a tuple or list, or a tensor or numpy array of "
+                    f"2 elements (torch.optim's forms); got {type(betas).__name__} {betas!r:.80}")
     try:
         b1, b2 = group["betas"]
         raw = [("['lr']", group["lr"]), ("['betas'][0]", b1), ("['betas'][1]", b2), ("['eps']", group["eps"]),
