@@ -1210,6 +1210,20 @@ def test_saved_betas_that_are_no_pair_are_refused_naming_the_entry(betas):
     _refused_at_import("betas", betas, r"\['betas'\]: expected a pair \(beta1, beta2\)")
 
 
+@pytest.mark.parametrize("change", ["no eps", "one beta"])
+def test_a_group_without_an_hparam_is_refused_naming_from_torch_optim(change):
+    """A saved group without lr, betas, eps or weight_decay, or with betas of one element, was refused as
+    'param_groups[0]: expected lr, betas (a pair), ...', the only refusal of from_torch_optim's not naming it ; the
+    message starts with 'from_torch_optim: ' as its others do."""
+    params, sd = _adamw_state_dict()
+    if change == "no eps":
+        del sd["param_groups"][0]["eps"]
+    else:
+        sd["param_groups"][0]["betas"] = (0.9,)
+    with pytest.raises(ck.CheckpointError, match=r"^from_torch_optim: param_groups\[0\]: expected lr, betas"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
 def test_torch_param_groups_refuses_what_is_no_sofx_adam_or_a_leaf_that_is_no_tensor():
     """torch_param_groups(3, params) raised Python's bare AttributeError ("'int' object has no attribute
     'resolve_hparams'"), and of an optimizer without bias correction it made groups torch's Adam steps with bias

@@ -472,7 +472,7 @@ def _group_hparams(saved: dict, gi: int, members: list[Any]) -> AdamHParams:
     (every dtype but float64), as ``update`` would refuse them at the first step, naming a leaf and not the entry."""
     wide = all(isinstance(p, torch.Tensor) and p.dtype == torch.float64 for p in members)
     return saved_hparams(saved, f"from_torch_optim: param_groups[{gi}]",
-                         f"param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay",
+                         f"from_torch_optim: param_groups[{gi}]: expected lr, betas (a pair), eps and weight_decay",
                          float32=None if wide else "a leaf of the group is not float64", half=True)
 
 
