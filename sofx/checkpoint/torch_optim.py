@@ -255,18 +255,15 @@ def _check_like_names(like: Any, resolved: list[ParamGroup], named: dict[str, in
     found = like.param_groups if isinstance(like, torch.optim.Optimizer) else \
         like["param_groups"] if isinstance(like, dict) else like
     for gi, (group, g) in enumerate(zip(found, resolved)):
-        names = group.get("param_names")
-        if not isinstance(names, (list, tuple)) or len(names) != len(g.leaves):
-            continue
-        for j, (name, leaf) in enumerate(zip(names, g.leaves)):
-            other = named.get(name) if isinstance(name, str) else None
-            if other is not None and other != leaf:
-                raise CheckpointMismatchError(
-                    f"to_torch_optim: like's param_groups[{gi}]['param_names'][{j}] is {name!r}, the params leaf "
-                    f"{paths[other]}, but the export puts {paths[leaf]} there (the tree's leaf order: dict keys "
-                    "sorted, an OrderedDict's as it holds them), and torch's load_state_dict would give that "
-                    "parameter another's moments; pass groups= in the torch optimizer's order (for "
-                    "dict(model.named_parameters()): groups=[g['param_names'] for g in torch_opt.param_groups])")
+        wrong = _first_misnamed(group, g, named)
+        if wrong is not None:
+            j, name, other, leaf = wrong
+            raise CheckpointMismatchError(
+                f"to_torch_optim: like's param_groups[{gi}]['param_names'][{j}] is {name!r}, the params leaf "
+                f"{paths[other]}, but the export puts {paths[leaf]} there (the tree's leaf order: dict keys "
+                "sorted, an OrderedDict's as it holds them), and torch's load_state_dict would give that "
+                "parameter another's moments; pass groups= in the torch optimizer's order (for "
+                "dict(model.named_parameters()): groups=[g['param_names'] for g in torch_opt.param_groups])")
 
 
 def _check_exported_moments(mu: Any, nu: Any, at: str, dtype: torch.dtype | None, path: str) -> None:
@@ -496,18 +493,30 @@ def _check_param_names(saved: dict, g: ParamGroup, gi: int, named: dict[str, int
     params tree's flatten order (dict keys sorted, an ``OrderedDict``'s kept) is not the model's, and moments of
     equal shapes would be imported into each other's leaves. Names of no leaf (another naming, a ``module.``
     prefix) say nothing."""
-    names = saved.get("param_names")
+    wrong = _first_misnamed(saved, g, named)
+    if wrong is not None:
+        j, name, other, leaf = wrong
+        raise CheckpointMismatchError(
+            f"from_torch_optim: param_groups[{gi}]['params'][{j}] is named {name!r}, the params leaf "
+            f"{paths[other]}, but the params tree puts {paths[leaf]} there (its leaf order: dict keys sorted, an "
+            f"OrderedDict's as it holds them); "
+            "pass groups= in the state dict's order (for dict(model.named_parameters()): "
+            "groups=[g['param_names'] for g in state_dict['param_groups']])")
+
+
+def _first_misnamed(group: dict, g: ParamGroup, named: dict[str, int]) -> tuple[int, str, int, int] | None:
+    """The first position of a torch group's ``param_names`` (one name per leaf of ``g``) whose name is another
+    params leaf's (``named``: :func:`_leaves_by_name`) than the one ``g`` puts there: (position, name, the leaf it
+    names, the leaf there); ``None`` where there is none, or the group has no such list. Names of no leaf say
+    nothing."""
+    names = group.get("param_names")
     if not isinstance(names, (list, tuple)) or len(names) != len(g.leaves):
-        return
+        return None
     for j, (name, leaf) in enumerate(zip(names, g.leaves)):
         other = named.get(name) if isinstance(name, str) else None
         if other is not None and other != leaf:
-            raise CheckpointMismatchError(
-                f"from_torch_optim: param_groups[{gi}]['params'][{j}] is named {name!r}, the params leaf "
-                f"{paths[other]}, but the params tree puts {paths[leaf]} there (its leaf order: dict keys sorted, an "
-                f"OrderedDict's as it holds them); "
-                "pass groups= in the state dict's order (for dict(model.named_parameters()): "
-                "groups=[g['param_names'] for g in state_dict['param_groups']])")
+            return j, name, other, leaf
+    return None
 
 
 def _sorted_keys_hint(params: Any) -> str:
