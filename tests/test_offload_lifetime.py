@@ -560,6 +560,27 @@ def test_a_state_call_from_a_signal_handler_inside_step_is_refused_naming_the_ca
     two bytecodes, calling state_dict() while step() runs there: refused as "called while another thread is in
     step()", where no other thread was. It says the call is inside step() on the same thread, and the step goes on."""
     model, opt = _stepped_once("thread")
+    original = OffloadEngine._publish_to_model
+
+    def signalled(self, *args, **kwargs):
+        monkeypatch.setattr(OffloadEngine, "_publish_to_model", original)
+        os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs here, in step())
+        return original(self, *args, **kwargs)
+
+    with _state_dict_on_sigusr1(opt) as said, opt:
+        opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
+        monkeypatch.setattr(OffloadEngine, "_publish_to_model", signalled)
+        assert opt.step().iteration == 2
+        assert said and said[0].startswith("state_dict() was called inside step() on the same thread (a signal "
+                                           "handler"), said
+        assert "another thread" not in said[0], said
+        assert opt.state_dict()["state"]["complete"]
+
+
+@contextlib.contextmanager
+def _state_dict_on_sigusr1(opt: Any) -> Iterator[list]:
+    """A "save a checkpoint on SIGUSR1" handler calling ``opt.state_dict()`` installed for the block; yields the
+    list of the refusals it met (their messages)."""
     said: list = []
 
     def save(signum, frame) -> None:
@@ -568,23 +589,9 @@ def test_a_state_call_from_a_signal_handler_inside_step_is_refused_naming_the_ca
         except SofxError as e:
             said.append(str(e))
 
-    original = OffloadEngine._publish_to_model
-
-    def signalled(self, *args, **kwargs):
-        monkeypatch.setattr(OffloadEngine, "_publish_to_model", original)
-        os.kill(os.getpid(), signal.SIGUSR1)  # (the handler runs here, in step())
-        return original(self, *args, **kwargs)
-
     before = signal.signal(signal.SIGUSR1, save)
     try:
-        with opt:
-            opt.backward(mlp_loss(model, mlp_batch(torch.Generator().manual_seed(1))))
-            monkeypatch.setattr(OffloadEngine, "_publish_to_model", signalled)
-            assert opt.step().iteration == 2
-            assert said and said[0].startswith("state_dict() was called inside step() on the same thread (a signal "
-                                               "handler"), said
-            assert "another thread" not in said[0], said
-            assert opt.state_dict()["state"]["complete"]
+        yield said
     finally:
         signal.signal(signal.SIGUSR1, before)
 
@@ -596,14 +603,6 @@ def test_a_state_call_from_a_signal_handler_inside_close_is_refused_naming_close
     says the call is inside close() on the same thread; the close goes on, and the closed optimizer's state_dict()
     works afterwards."""
     _, opt = _stepped_once("thread")
-    said: list = []
-
-    def save(signum, frame) -> None:
-        try:
-            opt.state_dict()
-        except SofxError as e:
-            said.append(str(e))
-
     original = OffloadEngine._record_at_close
 
     def signalled(self):
@@ -611,11 +610,8 @@ def test_a_state_call_from_a_signal_handler_inside_close_is_refused_naming_close
         return original(self)
 
     monkeypatch.setattr(OffloadEngine, "_record_at_close", signalled)
-    before = signal.signal(signal.SIGUSR1, save)
-    try:
+    with _state_dict_on_sigusr1(opt) as said:
         opt.close()
-    finally:
-        signal.signal(signal.SIGUSR1, before)
     assert said and said[0].startswith("state_dict() was called inside close() on the same thread (a signal "
                                        "handler"), said
     assert "another thread" not in said[0], said
