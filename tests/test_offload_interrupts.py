@@ -21,6 +21,18 @@ import sys
 
 import pytest
 
+
+@pytest.fixture
+def terminal_sigint():
+    """SIGINT's handler as in a terminal (Python's default, raising KeyboardInterrupt; a background job ignores
+    SIGINT) for the test, the one before put back after it."""
+    import signal
+
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 # Both scripts: argv[1] the executor; a small MLP under SpeculativeAdamW and its copy under torch.optim.AdamW.
 _SETUP = r"""
 import os, signal, sys, time
@@ -273,6 +285,7 @@ def test_the_gate_holds_sigint_in_sections_and_goes_when_its_last_engine_does():
         signal.signal(signal.SIGINT, before)
 
 
+@pytest.mark.usefixtures("terminal_sigint")
 def test_an_engine_installs_the_gate_and_its_close_removes_it():
     import signal
 
@@ -281,15 +294,11 @@ def test_an_engine_installs_the_gate_and_its_close_removes_it():
     import sofx.offload
     from sofx.offload.interrupts import InterruptGate
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    try:
-        model = torch.nn.Linear(4, 4)
-        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
-        assert isinstance(signal.getsignal(signal.SIGINT), InterruptGate)
-        opt.close()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    finally:
-        signal.signal(signal.SIGINT, before)
+    model = torch.nn.Linear(4, 4)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
+    assert isinstance(signal.getsignal(signal.SIGINT), InterruptGate)
+    opt.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 _PUBLIC_CALLS = _SETUP + _TRACER + r"""
@@ -340,6 +349,7 @@ def test_ctrl_c_at_every_line_of_the_public_calls_leaves_the_optimizer_usable(tm
 
 @pytest.mark.parametrize("at", ["hooks", "after_hooks"])
 @pytest.mark.parametrize("executor", ["thread", "process"])
+@pytest.mark.usefixtures("terminal_sigint")
 def test_ctrl_c_after_the_constructor_started_the_worker_stops_it_and_removes_the_gate(executor, at, monkeypatch):
     """A Ctrl-C (or any error) in the constructor after the executor started -- registering the gradient hooks,
     which takes a while for a model of many parameters, or after them -- left the worker thread (and process)
@@ -359,30 +369,26 @@ def test_ctrl_c_after_the_constructor_started_the_worker_stops_it_and_removes_th
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    try:
-        live = sofx.offload.SpeculativeAdamW(torch.nn.Linear(2, 2).parameters(), executor="inline")
-        threads = set(threading.enumerate())
-        if at == "hooks":
-            monkeypatch.setattr(sofx.offload.engine, "GradHooks", interrupted)
-        else:
-            monkeypatch.setattr(sofx.offload.engine.OffloadEngine, "_note_versions", interrupted)
-        model = torch.nn.Linear(4, 3)
-        with pytest.raises(KeyboardInterrupt):
-            sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor)
-        monkeypatch.undo()
-        gc.collect()
-        assert isinstance(signal.getsignal(signal.SIGINT), InterruptGate), "the live optimizer's gate stays"
-        live.close()
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-        left = [t for t in set(threading.enumerate()) - threads if t.name.startswith("sofx-offload")]
-        for t in left:
-            t.join(30)
-        assert not [t.name for t in left if t.is_alive()]
-        model(torch.randn(2, 4)).sum().backward()
-        assert model.weight.grad is not None, "no hook of the failed optimizer takes the gradients"
-    finally:
-        signal.signal(signal.SIGINT, before)
+    live = sofx.offload.SpeculativeAdamW(torch.nn.Linear(2, 2).parameters(), executor="inline")
+    threads = set(threading.enumerate())
+    if at == "hooks":
+        monkeypatch.setattr(sofx.offload.engine, "GradHooks", interrupted)
+    else:
+        monkeypatch.setattr(sofx.offload.engine.OffloadEngine, "_note_versions", interrupted)
+    model = torch.nn.Linear(4, 3)
+    with pytest.raises(KeyboardInterrupt):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor)
+    monkeypatch.undo()
+    gc.collect()
+    assert isinstance(signal.getsignal(signal.SIGINT), InterruptGate), "the live optimizer's gate stays"
+    live.close()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    left = [t for t in set(threading.enumerate()) - threads if t.name.startswith("sofx-offload")]
+    for t in left:
+        t.join(30)
+    assert not [t.name for t in left if t.is_alive()]
+    model(torch.randn(2, 4)).sum().backward()
+    assert model.weight.grad is not None, "no hook of the failed optimizer takes the gradients"
 
 
 def _ctrl_c_twice_at(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> None:
@@ -402,79 +408,70 @@ def _ctrl_c_twice_at(monkeypatch: pytest.MonkeyPatch, cls: type, name: str) -> N
 
 
 @pytest.mark.parametrize("where", ["step", "hook"])
+@pytest.mark.usefixtures("terminal_sigint")
 def test_a_second_ctrl_c_inside_a_section_stops_the_optimizer_saying_so(where, monkeypatch):
     """A second Ctrl-C while one is held goes through at once (to get out of a worker that hangs), in the middle of
     the engine's bookkeeping: the step is undefined then (README). zero_grad() and the next steps went on without a
     word from that state (the process executor's: ~0.17 relative from torch.optim's after 3 steps); now every later
     call is refused, naming the interrupt, and the state dict is marked incomplete."""
-    import signal
-
     import torch
 
     import sofx.offload
     from sofx.offload import engine
     from sofx.offload.executor import ExecutorError
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=50)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=50)
+    opt.backward(model(torch.randn(4, 8)).square().mean())
+    opt.step()
+    opt.zero_grad()
+    if where == "step":
         opt.backward(model(torch.randn(4, 8)).square().mean())
-        opt.step()
-        opt.zero_grad()
+    _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine,
+                     "_publish_to_model" if where == "step" else "_take_gradient")
+    with pytest.raises(KeyboardInterrupt):
         if where == "step":
+            opt.step()
+        else:
             opt.backward(model(torch.randn(4, 8)).square().mean())
-        _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine,
-                         "_publish_to_model" if where == "step" else "_take_gradient")
-        with pytest.raises(KeyboardInterrupt):
-            if where == "step":
-                opt.step()
-            else:
-                opt.backward(model(torch.randn(4, 8)).square().mean())
-        said = r"interrupted by a second Ctrl-C .*step\(\) nor zero_grad\(\) can tell what it left"
-        for call in (opt.zero_grad, opt.step):
-            with pytest.raises(ExecutorError, match=said):
-                call()
-        assert opt.state_dict()["state"]["complete"] is False
-        opt.close()
-    finally:
-        signal.signal(signal.SIGINT, before)
+    said = r"interrupted by a second Ctrl-C .*step\(\) nor zero_grad\(\) can tell what it left"
+    for call in (opt.zero_grad, opt.step):
+        with pytest.raises(ExecutorError, match=said):
+            call()
+    assert opt.state_dict()["state"]["complete"] is False
+    opt.close()
 
 
+@pytest.mark.usefixtures("terminal_sigint")
 def test_a_second_ctrl_c_as_a_call_ends_neither_keeps_its_lock_nor_goes_unsaid(monkeypatch):
     """A second Ctrl-C as a call's guard ends (its ``finally``, while the first is still held back), before the
     guard had noted the break and released its lock: the lock stayed taken for good, every later call was refused as
     "called while another thread is in step()" (no other thread was) and close() hung. Now the lock is released and
     the break noted: the later calls are refused naming the interrupt, and close() closes."""
-    import signal
-
     import torch
 
     import sofx.offload
     from sofx.offload import engine
     from sofx.offload.executor import ExecutorError
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=50)
-        opt.backward(model(torch.randn(4, 8)).square().mean())
-        _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
-        with pytest.raises(KeyboardInterrupt):
-            opt.step()
-        assert not opt.engine._call_lock.locked(), "the guard's lock is released"
-        said = r"interrupted by a second Ctrl-C .*step\(\) nor zero_grad\(\) can tell what it left"
-        for call in (opt.zero_grad, opt.step):
-            with pytest.raises(ExecutorError, match=said):
-                call()
-        opt.close()
-        assert opt.engine._closed
-    finally:
-        signal.signal(signal.SIGINT, before)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", block_numel=50)
+    opt.backward(model(torch.randn(4, 8)).square().mean())
+    _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    assert not opt.engine._call_lock.locked(), "the guard's lock is released"
+    said = r"interrupted by a second Ctrl-C .*step\(\) nor zero_grad\(\) can tell what it left"
+    for call in (opt.zero_grad, opt.step):
+        with pytest.raises(ExecutorError, match=said):
+            call()
+    opt.close()
+    assert opt.engine._closed
 
 
+@pytest.mark.usefixtures("terminal_sigint")
 def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_close(monkeypatch):
     """A second Ctrl-C as close() removed the gradient hooks (the first held back; a model of many parameters takes a
     while there), before it stopped the executor: the optimizer was marked closed, so the next close() returned at
@@ -487,22 +484,19 @@ def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_clos
     import sofx.offload
     from sofx.offload import grad_hooks
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    try:
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
-        _ctrl_c_twice_at(monkeypatch, grad_hooks.GradHooks, "remove")  # (as close() removes the hooks)
-        with pytest.raises(KeyboardInterrupt):
-            opt.close()
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
+    _ctrl_c_twice_at(monkeypatch, grad_hooks.GradHooks, "remove")  # (as close() removes the hooks)
+    with pytest.raises(KeyboardInterrupt):
         opt.close()
-        assert opt.engine.executor._ended.wait(30), "the worker thread stopped"
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
-        model(torch.randn(2, 8)).sum().backward()
-        assert model[0].weight.grad is not None, "no hook takes the gradients"
-    finally:
-        signal.signal(signal.SIGINT, before)
+    opt.close()
+    assert opt.engine.executor._ended.wait(30), "the worker thread stopped"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
+    model(torch.randn(2, 8)).sum().backward()
+    assert model[0].weight.grad is not None, "no hook takes the gradients"
 
 
+@pytest.mark.usefixtures("terminal_sigint")
 def test_a_second_ctrl_c_before_a_deferred_close_is_carried_out_at_the_next_call(monkeypatch):
     """A close() called inside step() on its thread (a signal handler's) is deferred to the end of step(); a second
     Ctrl-C in step()'s guard before that close (the first still held back) dropped it: the optimizer stayed open,
@@ -516,31 +510,27 @@ def test_a_second_ctrl_c_before_a_deferred_close_is_carried_out_at_the_next_call
     from sofx.errors import SofxError
     from sofx.offload import engine
 
-    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal (not a background job)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
-        opt.backward(model(torch.randn(4, 8)).square().mean())
-        original = engine.OffloadEngine._publish_to_model
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
+    opt.backward(model(torch.randn(4, 8)).square().mean())
+    original = engine.OffloadEngine._publish_to_model
 
-        def closed_inside(self, *args, **kwargs):  # (a signal handler's close(), inside step())
-            monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", original)
-            opt.close()
-            return original(self, *args, **kwargs)
+    def closed_inside(self, *args, **kwargs):  # (a signal handler's close(), inside step())
+        monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", original)
+        opt.close()
+        return original(self, *args, **kwargs)
 
-        monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", closed_inside)
-        _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
-        with pytest.raises(KeyboardInterrupt):
-            opt.step()
-        with pytest.raises(SofxError, match=r"^the optimizer is closed \(the close\(\) called inside step\(\) on "
-                                            r"its thread.*a second Ctrl-C broke into it there, and this call did"):
-            opt.zero_grad()
-        with pytest.raises(SofxError, match=r"^the optimizer is closed$"):
-            opt.step()
-        assert opt.engine._closed and opt.engine.executor._ended.wait(30), "the worker thread stopped"
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
-        model(torch.randn(2, 8)).sum().backward()
-        assert model[0].weight.grad is not None, "no hook takes the gradients"
-    finally:
-        signal.signal(signal.SIGINT, before)
+    monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", closed_inside)
+    _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
+    with pytest.raises(KeyboardInterrupt):
+        opt.step()
+    with pytest.raises(SofxError, match=r"^the optimizer is closed \(the close\(\) called inside step\(\) on "
+                                        r"its thread.*a second Ctrl-C broke into it there, and this call did"):
+        opt.zero_grad()
+    with pytest.raises(SofxError, match=r"^the optimizer is closed$"):
+        opt.step()
+    assert opt.engine._closed and opt.engine.executor._ended.wait(30), "the worker thread stopped"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
+    model(torch.randn(2, 8)).sum().backward()
+    assert model[0].weight.grad is not None, "no hook takes the gradients"
