@@ -3084,6 +3084,21 @@ def test_a_step_action_given_the_standing_record_of_the_blocks_speculative_step_
     assert int(s2.count) == 1
 
 
+def _a_kept_decision_and_this_steps(rng, hparams=None):
+    """One block's decision of an earlier step (kept, never used there) and this step's (its hparams ``hparams``),
+    for adamw(lr=1e-2) and a GradScaler: ``(opt, param, grad, state, ctx1, old, ctx, tally, decision)``."""
+    opt = sofx.adamw(lr=1e-2)
+    rule = loss_scale.grad_scaler()
+    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng) * S16
+    state = opt.init(param)
+    el = sp.Eligibility(True, "algebraic", "", 0)
+    ctx1, tally1 = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
+    _, old = sp.on_block_ready(ctx1, tally1, 0, sp.grad_sumsq(grad), el)
+    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1, hparams=hparams)
+    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), el)
+    return opt, param, grad, state, ctx1, old, ctx, tally, decision
+
+
 def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps_action(rng):
     """A BlockDecision did not say which step it is of: speculative_block_step took one of an earlier step (an
     engine that kept a stale decision) and stepped with its hparams (lr 1e-2 where this step's is 3e-2), and
@@ -3091,16 +3106,8 @@ def test_a_decision_of_another_step_is_refused_where_its_record_meets_this_steps
     step's context_id, and so do the record of its speculative step and the plan's actions: apply_block_action
     refuses a record of another step's decision (commit included) naming both steps, before anything is written;
     the record still undoes the block. A tally whose decision is of another step is refused by plan_validation."""
-    opt = sofx.adamw(lr=1e-2)
-    rule = loss_scale.grad_scaler()
-    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng) * S16
-    state = opt.init(param)
-    el = sp.Eligibility(True, "algebraic", "", 0)
-    ctx1, tally1 = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    tally1, old = sp.on_block_ready(ctx1, tally1, 0, sp.grad_sumsq(grad), el)
     hp = sofx.AdamHParams(lr=3e-2)
-    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1, hparams=hp)
-    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), el)
+    opt, param, grad, state, ctx1, old, ctx, tally, decision = _a_kept_decision_and_this_steps(rng, hp)
     assert old.context_id == ctx1.context_id != decision.context_id == ctx.context_id
     p1, s1, record = sp.speculative_block_step(opt, param.clone(), grad, state, old)
     (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)]).actions
@@ -3307,15 +3314,7 @@ def test_speculative_block_step_given_this_steps_context_refuses_a_decision_of_a
     speculative_block_step, which wrote its step (the earlier step's lr) in place; only apply_block_action refused its
     record later. Given the step's context (ctx=), the call refuses it, naming both steps' context ids, before
     anything is written; this step's decision passes (and one made by hand, context_id 0, is not checked)."""
-    opt = sofx.adamw(lr=1e-2)
-    rule = loss_scale.grad_scaler()
-    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng) * S16
-    state = opt.init(param)
-    el = sp.Eligibility(True, "algebraic", "", 0)
-    ctx1, tally1 = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    _, old = sp.on_block_ready(ctx1, tally1, 0, sp.grad_sumsq(grad), el)
-    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    _, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), el)
+    opt, param, grad, state, ctx1, old, ctx, _, decision = _a_kept_decision_and_this_steps(rng)
     p = param.clone()
     with pytest.raises(sofx.SofxError, match=rf"^speculative_block_step: block 0: the decision is of another step "
                                              rf"\(context_id {ctx1.context_id}\) than ctx's \(context_id "
