@@ -1264,12 +1264,20 @@ def _one_speculated_block_not_taken(opt, rng):
     """A step of one block of 4 random elements through the block protocol: ready and chosen for speculation, its
     speculative step not taken (``taken=[False]``). Returns the loss-scale rule, the block's param, grad and
     fresh state, its decision and the validation plan."""
+    rule, param, grad, state, ctx, tally, decision = _one_ready_block(opt, rng)
+    return rule, param, grad, state, decision, sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False])
+
+
+def _one_ready_block(opt, rng):
+    """One block of 4 random elements through the block protocol (a GradScaler) up to its decision: ready and
+    chosen for speculation. Returns the rule, the block's param, grad and fresh state, the step's context, the tally
+    and the decision."""
     rule = loss_scale.grad_scaler()
     param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
     state = opt.init(param)
     ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
     tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
-    return rule, param, grad, state, decision, sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False])
+    return rule, param, grad, state, ctx, tally, decision
 
 
 def test_a_decision_used_for_a_speculative_step_already_is_refused_before_anything_is_written(rng):
@@ -3065,11 +3073,7 @@ def test_a_step_action_given_the_standing_record_of_the_blocks_speculative_step_
     word. It is refused naming the block and ``taken``, nothing written; the record stays usable (its undo brings
     the block back)."""
     opt = sofx.adamw(lr=1e-2)
-    rule = loss_scale.grad_scaler()
-    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
-    state = opt.init(param)
-    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    tally, decision = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    _, param, grad, state, ctx, tally, decision = _one_ready_block(opt, rng)
     p1, s1, record = sp.speculative_block_step(opt, param.clone(), grad, state, decision, donate=True)
     (action,) = sp.plan_validation(ctx, tally, [sp.grad_sumsq(grad)], taken=[False]).actions
     assert action.kind == "step"
@@ -3262,11 +3266,7 @@ def test_speculative_block_step_without_a_gradient_is_refused_before_the_decisio
     that never happened (count 0, the report saying committed). It is refused naming the block, nothing written, the
     decision still usable; a tree block with a gradient for some of its leaves is stepped as before."""
     opt = sofx.adamw(lr=1e-2)
-    rule = loss_scale.grad_scaler()
-    param, grad = torch.randn(4, generator=rng), torch.randn(4, generator=rng)
-    state = opt.init(param)
-    ctx, tally = sp.begin_step(opt, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1)
-    tally, d = sp.on_block_ready(ctx, tally, 0, sp.grad_sumsq(grad), sp.Eligibility(True, "algebraic", "", 0))
+    _, param, grad, _, _, _, d = _one_ready_block(opt, rng)
     for none in (None, [None]):
         p = [param.clone()] if isinstance(none, list) else param.clone()
         s = opt.init(p)
