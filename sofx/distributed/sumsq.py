@@ -25,6 +25,7 @@ from sofx.distributed.setup import _SETUP_KEYWORDS, _agree_setup, _entries, _set
 from sofx.errors import SofxError
 from sofx.kernels.user_numbers import is_bool, real_number
 from sofx.required import REQUIRED
+from sofx.transforms import _nonnegative_float
 
 __all__ = ["SumsqReduce", "all_reduce_sumsq"]
 
@@ -185,19 +186,16 @@ class SumsqReduce:
 
 def _local_sumsq(local: Any) -> float | None:
     """A rank's local sum of squares ``local`` as a Python float (a Python or numpy number, or a 1-element tensor;
-    an int beyond the float range is inf, as :func:`sofx.transforms.total_sumsq` reads a block's); ``None`` where
-    it is a real number but no sum of squares: negative (-0.0, no gradient, is none), or a bool (``True`` was 1).
-    Python's ``TypeError`` where it is no real number (a str, a tensor of many elements)."""
+    an int beyond the float range is inf: :func:`sofx.transforms._nonnegative_float`, as
+    :func:`~sofx.transforms.total_sumsq` reads a block's); ``None`` where it is a real number but no sum of squares:
+    negative (-0.0, no gradient, is none), or a bool (``True`` was 1). Python's ``TypeError`` where it is no real
+    number (a str, a tensor of many elements)."""
     if is_bool(local) or (isinstance(local, torch.Tensor) and local.dtype == torch.bool):
         return None
     x = real_number(local, "all_reduce_sumsq: local", SofxError)
     if not isinstance(x, numbers.Real):  # (float() read the str "1.0" as 1.0)
         raise TypeError(f"{type(local).__name__} is no real number")
-    try:
-        value = float(x)
-    except OverflowError:  # (an int beyond the float range: Python's float() refused it)
-        value = math.inf
-    return None if value < 0 else value
+    return _nonnegative_float(x, "all_reduce_sumsq: local")
 
 
 def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
