@@ -350,6 +350,77 @@ def test_ctrl_c_at_every_line_of_the_public_calls_leaves_the_optimizer_usable(tm
     assert int(out.stdout.split()[-1]) >= 10, out.stdout
 
 
+# A SIGINT at the k-th line or return of torch's grad-mode switches (torch.no_grad()'s __enter__ and __exit__, the
+# set_grad_enabled they call) inside each call, for every k the call reaches; the grad mode after each, caught.
+_GRAD_MODE = _SETUP + r"""
+GRAD_MODE = torch.autograd.grad_mode.__file__
+armed = seen = None
+
+def local(frame, event, arg):
+    global armed, seen
+    if event in ("line", "return") and armed is not None:
+        if seen == armed:
+            armed = None
+            os.kill(os.getpid(), signal.SIGINT)
+        seen += 1
+    return local
+
+def calls(frame, event, arg):
+    return local if armed is not None and frame.f_code.co_filename == GRAD_MODE else None
+
+x, y = batch(0)
+params = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
+calls_made = {
+    "step": lambda: opt.step(),
+    "step(closure)": lambda: opt.step(lambda: opt.backward(loss(model, x, y))),
+    "constructor": lambda: sofx.offload.SpeculativeAdamW(params, executor=executor).close(),
+    "load_state_dict": lambda: opt.load_state_dict(opt.state_dict()),
+}
+left_off = []
+for name, call in calls_made.items():
+    k = 0
+    while True:
+        opt.zero_grad()
+        if name == "step":
+            opt.backward(loss(model, x, y))
+        armed, seen = k, 0
+        try:
+            sys.settrace(calls)
+            call()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        fired, armed = armed is None, None
+        if not torch.is_grad_enabled():
+            left_off.append(f"{name}@{k}")
+            torch.set_grad_enabled(True)
+        if not fired:
+            break
+        k += 1
+    print(name, k)
+opt.close()
+print("left off:", *left_off)
+"""
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_ctrl_c_in_a_grad_mode_switch_of_a_call_leaves_grad_mode_as_it_was(executor, tmp_path):
+    """A script that caught a Ctrl-C in ``step()`` and went on failed in its next backward, "element 0 of tensors
+    does not require grad": ``step()`` ran under ``@torch.no_grad()``, whose ``__enter__`` switches grad mode off
+    and whose ``__exit__`` switches it back, and an interrupt raised in ``__enter__`` after the switch, or as
+    ``__exit__`` began, left it off (the constructor's ``torch.no_grad()`` blocks as well). A SIGINT at every line
+    and return of torch's grad-mode code those calls reach, one per call: grad mode is on after each."""
+    script = tmp_path / "grad_mode.py"
+    script.write_text(_GRAD_MODE)
+    out = subprocess.run([sys.executable, str(script), executor], capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert all(int(line.split()[-1]) >= 10 for line in lines[:-1]), out.stdout  # each call switched it
+    assert lines[-1] == "left off:", out.stdout
+
+
 @pytest.mark.parametrize("at", ["hooks", "after_hooks"])
 @pytest.mark.parametrize("executor", ["thread", "process"])
 @pytest.mark.usefixtures("terminal_sigint")

@@ -115,7 +115,7 @@ from sofx.offload.executor import (
 )
 from sofx.offload.grad_hooks import GradHooks
 from sofx.offload.inline_executor import InlineExecutor
-from sofx.offload.interrupts import NO_GATE, acquire_gate, release_gate, section_breaks
+from sofx.offload.interrupts import NO_GATE, acquire_gate, release_gate, section_breaks, without_grad
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR, SharedMemoryArena, shm_budget
 from sofx.offload.step_events import EngineStepReport
 from sofx.offload.thread_executor import ThreadExecutor
@@ -223,6 +223,7 @@ class OffloadEngine:
     parameters, or ``None``.
     """
 
+    @without_grad  # (its copies into parameters: torch.no_grad() blocks, which a Ctrl-C can leave off)
     def __init__(self, groups: Sequence[Sequence[torch.Tensor]], hparams_fn: HParamsFn, *,
                  adam: AdamConfig, speculation: SpeculationConfig, scaler: LossScaler,
                  executor: str = "thread", block_numel: int = 2 ** 22, n_device_blocks: int = 0,

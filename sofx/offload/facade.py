@@ -173,6 +173,7 @@ from sofx.loss_scale import call_rule, deepspeed_scaler, grad_scaler, is_torch_g
 from sofx.offload.block_runner import AdamConfig
 from sofx.offload.eager import run_eagerly
 from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngine
+from sofx.offload.interrupts import without_grad
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR
 from sofx.speculate import AdaptivePolicy, SpeculationConfig
 from sofx.warn import caller_stacklevel
@@ -801,7 +802,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
 
     @run_eagerly("the speculative optimizer's step() runs eagerly: dynamo cannot trace the offload engine (call it "
                  "outside a fullgraph=True function, or compile without fullgraph)")
-    @torch.no_grad()
+    @without_grad  # (torch.no_grad() is left off by a Ctrl-C in its __enter__ or __exit__: a script goes on)
     def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
         """Validate the step (see the module docstring).
 

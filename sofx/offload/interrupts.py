@@ -28,16 +28,24 @@ Entering and leaving a section costs two counter updates (the handler is not swa
 handlers in the main thread only, so sections in other threads (autograd's device threads, the
 executors' own) hold nothing and need not; where SIGINT is ignored or has the default action (not
 a Python handler), or the engine is made in another thread, there is no gate (:data:`NO_GATE`).
+
+Calls that turn grad mode off for their whole span, outside any section (the facade's ``step()``, which runs the
+user's closure), use :func:`without_grad` instead of ``torch.no_grad()``, which an interrupt can leave off.
 """
 
 from __future__ import annotations
 
+import functools
 import signal
 import threading
 from types import FrameType
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
-__all__ = ["InterruptGate", "NO_GATE", "acquire_gate", "release_gate", "section_breaks"]
+import torch
+
+__all__ = ["InterruptGate", "NO_GATE", "acquire_gate", "release_gate", "section_breaks", "without_grad"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 class InterruptGate:
@@ -136,3 +144,26 @@ def release_gate(gate: InterruptGate | _NoGate) -> None:
         return
     if signal.getsignal(signal.SIGINT) is gate:
         signal.signal(signal.SIGINT, gate._previous)
+
+
+def without_grad(fn: _F) -> _F:
+    """``fn`` run with grad mode off, as under ``@torch.no_grad()``, and the mode before put back however it ends,
+    a Ctrl-C included.
+
+    ``torch.no_grad()`` switches grad mode off inside its ``__enter__`` and back inside its ``__exit__``, both Python
+    functions: a ``KeyboardInterrupt`` raised in ``__enter__`` after the switch (Python raises it after any C call)
+    never reaches ``__exit__``, one raised as ``__exit__`` starts skips the switch back, and a script that caught the
+    Ctrl-C and went on found grad mode off (its next backward: "element 0 of tensors does not require grad"). Here
+    both switches are single C calls in a ``try``/``finally`` of one frame: no Python call comes between the end of
+    ``fn`` and the switch back, where an interrupt could be raised."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        before = torch.is_grad_enabled()
+        try:
+            torch._C._set_grad_enabled(False)
+            return fn(*args, **kwargs)
+        finally:
+            torch._C._set_grad_enabled(before)
+
+    return run  # type: ignore[return-value]
