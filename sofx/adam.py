@@ -71,7 +71,7 @@ from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoReco
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range", "check_step_size", "TORCH_MATH_OPTIONS", "refused_torch_option",
-           "torch_betas", "hparams_at", "validate_grads_finite"]
+           "TORCH_FLAG_OPTIONS", "torch_non_flag", "torch_betas", "hparams_at", "validate_grads_finite"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -2161,6 +2161,30 @@ def refused_torch_option(options: Mapping[str, Any], refused: Sequence[str] = TO
     return next((name for name in refused if option_truth(options.get(name)) is not False), None)
 
 
+# torch.optim.Adam/AdamW's on/off options (foreach and fused: None for "torch picks")
+TORCH_FLAG_OPTIONS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "differentiable",
+                      "decoupled_weight_decay")
+
+
+def is_torch_flag(name: str, value: Any) -> bool:
+    """Whether ``value`` is a value of torch.optim's on/off option ``name`` (:data:`TORCH_FLAG_OPTIONS`) that
+    says on or off: a bool (Python's or numpy's), the int 0 or 1, or None (off, or torch's choice) -- but for
+    ``differentiable``, which torch's step hands to ``torch.set_grad_enabled`` (a TypeError for any but a bool). A
+    str (``"False"``, true to ``if group[name]:``), another number, a tensor or a container is none."""
+    if is_bool(value):
+        return True
+    return name != "differentiable" and (value is None or (type(value) is int and value in (0, 1)))
+
+
+def torch_non_flag(options: Mapping[str, Any]) -> str | None:
+    """The first of torch.optim's on/off options (:data:`TORCH_FLAG_OPTIONS`) that ``options`` (keyword arguments,
+    a param group) holds with a value that is no flag (:func:`is_torch_flag`), or None: the rule :func:`adam`,
+    :func:`adamw` and the offload facade refuse such a value by, naming the option (torch takes a str ``"False"``
+    as on without a word)."""
+    return next((name for name in TORCH_FLAG_OPTIONS if name in options and not is_torch_flag(name, options[name])),
+                None)
+
+
 def option_truth(value: Any) -> bool | None:
     """``bool(value)``, the truth torch.optim takes an on/off option by (``if group["amsgrad"]:``), or None where
     ``value`` has none (a tensor or numpy array of several elements: torch's bare RuntimeError, numpy's ValueError),
@@ -2202,15 +2226,15 @@ def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool)
     """Refuse the options of ``torch.optim.Adam/AdamW`` (taken so that torch's arguments carry over) that sofx
     does not implement, as the offload facade does: ``amsgrad`` or ``maximize`` set (:func:`refused_torch_option`)
     and a ``decoupled_weight_decay`` other than ``decoupled`` (sofx.adam's True is AdamW). Their other options
-    are not passed here: any value is accepted (see :func:`adam`)."""
+    are refused where they are no flag (:func:`torch_non_flag`), else ignored (see :func:`adam`)."""
+    odd = torch_non_flag(options)
+    if odd is not None:
+        raise UnsupportedError(f"{who}: {odd}={options[odd]!r:.80} is no flag; expected True or False")
     name = refused_torch_option(options)
     if name is not None:
         raise UnsupportedError(f"{who}: {name}={options[name]!r} is not supported (only torch.optim's default, "
                                "False)")
-    value = options.get("decoupled_weight_decay", decoupled)
-    if option_truth(value) is None:
-        raise UnsupportedError(f"{who}: decoupled_weight_decay={value!r:.80} is no flag; expected True or False")
-    if bool(value) != decoupled:
+    if bool(options.get("decoupled_weight_decay", decoupled)) != decoupled:
         raise UnsupportedError(f"{who}: decoupled_weight_decay={options['decoupled_weight_decay']!r} is AdamW's "
                                "decoupled weight decay; use sofx.adamw")
 
@@ -2242,9 +2266,12 @@ def adam(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: Sc
     ``torch.optim.Adam``'s other options carry over: ``amsgrad``, ``maximize`` and ``decoupled_weight_decay``
     are accepted at their default (False) only (True raises :class:`~sofx.errors.UnsupportedError`);
     ``foreach``, ``fused``, ``capturable`` (torch's implementation) and ``differentiable`` (the update is
-    differentiable wherever its inputs are traced) take any value and are ignored.
+    differentiable wherever its inputs are traced) take any flag and are ignored. A value of any of torch's options that
+    is no flag (a str such as ``"False"``, which torch takes as on; a number but 0 and 1; a tensor; ``differentiable``
+    not a bool, as torch's step requires) is refused naming the option (:func:`torch_non_flag`).
     """
-    _refuse_torch_options("sofx.adam", {"amsgrad": amsgrad, "maximize": maximize,
+    _refuse_torch_options("sofx.adam", {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach, "fused": fused,
+                                        "capturable": capturable, "differentiable": differentiable,
                                         "decoupled_weight_decay": decoupled_weight_decay}, decoupled=False)
     return _make(False, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
@@ -2262,7 +2289,9 @@ def adamw(lr: Scalar = 1e-3, betas: tuple[Scalar, Scalar] = (0.9, 0.999), eps: S
 
     Arguments as :func:`adam` (``torch.optim.AdamW`` has no ``decoupled_weight_decay``).
     """
-    _refuse_torch_options("sofx.adamw", {"amsgrad": amsgrad, "maximize": maximize}, decoupled=True)
+    _refuse_torch_options("sofx.adamw", {"amsgrad": amsgrad, "maximize": maximize, "foreach": foreach,
+                                         "fused": fused, "capturable": capturable, "differentiable": differentiable},
+                          decoupled=True)
     return _make(True, lr, betas, eps, weight_decay, bias_correction, state_dtype, undo, backend)
 
 

@@ -344,6 +344,32 @@ def test_torch_optims_implementation_options_are_accepted_and_ignored(make):
             make(decoupled_weight_decay=True)
 
 
+# torch.optim.Adam's on/off options given values that are no flag; torch takes each by its truth ("False" and 2
+# set, 0.0 not) but differentiable, which its step hands to set_grad_enabled (a TypeError for any but a bool)
+_NO_FLAGS = [("amsgrad", "False"), ("maximize", "no"), ("foreach", "False"), ("fused", "True"), ("capturable", 0.0),
+             ("differentiable", "False"), ("differentiable", None), ("differentiable", 0),
+             ("decoupled_weight_decay", "False"), ("amsgrad", 2), ("maximize", torch.tensor(False))]
+
+
+@pytest.mark.parametrize("make", [sofx.adam, sofx.adamw], ids=["adam", "adamw"])
+@pytest.mark.parametrize("key, value", _NO_FLAGS, ids=[f"{k}={v!r}" for k, v in _NO_FLAGS])
+def test_a_torch_option_that_is_no_flag_is_refused_naming_it(make, key, value):
+    """sofx.adam/adamw took torch.optim's flags by their truth or not at all: decoupled_weight_decay="False" was
+    refused as 'is AdamW's decoupled weight decay; use sofx.adamw', amsgrad="False" as 'not supported (only
+    torch.optim's default, False)', and foreach="False", differentiable="False" or None were taken without a word
+    (torch's step refuses a differentiable that is no bool). Each is refused naming the option and its value; None
+    (but for differentiable), a bool (numpy's too) and 0 or 1 are flags, taken as torch takes them."""
+    np = pytest.importorskip("numpy")
+    if key == "decoupled_weight_decay" and make is sofx.adamw:
+        return  # (no option of sofx.adamw, nor of torch.optim.AdamW)
+    with pytest.raises(sofx.UnsupportedError, match=rf"^sofx\.{make.__name__}: {key}={re.escape(repr(value))} is "
+                                                    r"no flag; expected True or False"):
+        make(**{key: value})
+    for taken in ((0, np.bool_(False), False) if key in ("amsgrad", "maximize", "decoupled_weight_decay") else
+                  (True, np.bool_(False)) if key == "differentiable" else (None, 1, np.bool_(True))):
+        assert make(**{key: taken}).variant.decoupled is (make is sofx.adamw)
+
+
 @pytest.mark.parametrize("make, torch_cls", [(sofx.adam, torch.optim.Adam), (sofx.adamw, torch.optim.AdamW)],
                          ids=["adam", "adamw"])
 @pytest.mark.parametrize("betas", [
