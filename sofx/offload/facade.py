@@ -43,7 +43,9 @@ are ignored, but what torch refuses of them is refused (a tensor ``lr`` or beta 
 both set; ``capturable=True`` without ``fused`` over CPU parameters); ``amsgrad``, ``maximize`` and
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
 class's, are refused (at construction, at every step, and in
-``load_state_dict``) rather than ignored. A tensor ``lr`` (or tensor ``betas``) is read as the Python number
+``load_state_dict``) rather than ignored, and so is a value of any of these options that is no flag (a bool, 0,
+1 or None; ``differentiable`` a bool, as torch's step takes it): a str ``"False"``, which torch takes as on,
+is refused naming the option. A tensor ``lr`` (or tensor ``betas``) is read as the Python number
 it holds, as :class:`sofx.AdamHParams` reads one: the step is ``torch.optim``'s with that float (torch's own
 for-loop step with the tensor rounds ``lr * weight_decay`` and ``lr / bias_correction1``, or ``1 - beta`` and
 the bias corrections, to float32, ~1e-7 relative per step); a float16 or bfloat16 one (a LambdaLR's lambda
@@ -165,7 +167,7 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 import torch
 
 from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_half_precision,
-                       option_truth, refused_torch_option, torch_betas)
+                       refused_torch_option, torch_betas, torch_non_flag)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
@@ -286,7 +288,11 @@ def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> 
     Adam: False) -- silently ignored, they would train another model than ``torch.optim``'s --, a
     ``max_grad_norm`` (the optimizer's, not a group's: ignored, the group's gradients were clipped by another),
     and what ``torch.optim.AdamW`` refuses of its implementation options (:func:`check_foreach_tensors`,
-    :func:`check_capturable_devices`)."""
+    :func:`check_capturable_devices`). An option of torch's whose value is no flag (:func:`sofx.adam.torch_non_flag`:
+    a str ``"False"``, true to torch's ``if group[...]:``) is refused first, naming it."""
+    odd = torch_non_flag(group)
+    if odd is not None:
+        raise UnsupportedError(f"{where}[{odd!r}] = {group[odd]!r:.80} is no flag; expected True or False")
     check_foreach_tensors(group, where)
     check_capturable_devices(group, where)
     if "max_grad_norm" in group:
@@ -299,9 +305,6 @@ def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> 
     if key is not None:
         raise UnsupportedError(f"{where}[{key!r}] = {group[key]!r}: {key} is not supported by the speculative "
                                "optimizer (only its default, False)")
-    if "decoupled_weight_decay" in group and option_truth(group["decoupled_weight_decay"]) is None:
-        raise UnsupportedError(f"{where}['decoupled_weight_decay'] = {group['decoupled_weight_decay']!r:.80} is no "
-                               "flag; expected True or False")
     if "decoupled_weight_decay" in group and bool(group["decoupled_weight_decay"]) != decoupled:
         kind = "SpeculativeAdamW" if decoupled else "SpeculativeAdam"
         other = "SpeculativeAdam" if decoupled else "SpeculativeAdamW"
