@@ -1134,6 +1134,29 @@ def test_an_l2_export_like_a_decoupled_state_dict_is_refused_naming_its_group():
     ck.to_torch_optim(adamw, adamw.update(params, grads, adamw.init(params))[1], like=torch_adam.state_dict())
 
 
+@pytest.mark.parametrize("like", ["optimizer", "state_dict"])
+def test_an_adamw_export_goes_on_in_a_decoupled_torch_adam_and_back_in_sofx_bitwise(like):
+    """torch >= 2.x's ``Adam(decoupled_weight_decay=True)`` is AdamW (``torch.optim.AdamW`` is that Adam): sofx.adamw's
+    export like= it (the optimizer, or its state_dict(), whose groups say decoupled_weight_decay=True as an AdamW's
+    do) is taken, and that torch Adam steps on as sofx.adamw, bit for bit, in two groups of other hparams; its
+    state dict imports back into sofx.adamw, which steps on as the uninterrupted run. (sofx.adam's L2 export like=
+    such a state dict stays refused: a state dict does not say whether an Adam or an AdamW loads it, and AdamW's
+    load_state_dict decouples every group's decay.)"""
+    make, _, hp = CASES["adamw_two_groups"]
+    opt = make()
+    ref_params, ref_state = _sofx_steps(opt, _params(), opt.init(_params()), hp, 0, N + M)
+    params, state = _sofx_steps(opt, _params(), opt.init(_params()), hp, 0, N)
+    torch_opt = torch.optim.Adam(ck.torch_param_groups(opt, params, hp), decoupled_weight_decay=True)
+    sd = ck.to_torch_optim(opt, state, hp, like=torch_opt if like == "optimizer" else torch_opt.state_dict())
+    assert [g["decoupled_weight_decay"] for g in sd["param_groups"]] == [True, True]
+    torch_opt.load_state_dict(sd)
+    _torch_steps(torch_opt, params, N, N + 2)
+    state, hparams = ck.from_torch_optim(opt, torch_opt.state_dict(), params, hp)
+    params, state = _sofx_steps(opt, _clone(params), state, hparams, N + 2, N + M)
+    assert _equal(params, ref_params)
+    assert _equal(state, ref_state)
+
+
 def test_an_export_like_a_torch_optimizer_whose_param_names_put_a_leaf_elsewhere_is_refused_naming_it():
     """A torch optimizer made from named_parameters() keeps each group's param_names, and like= carries them into the
     export; but the export numbers the leaves in the params tree's flatten order (dict keys sorted: k, q, v), not the
