@@ -120,6 +120,55 @@ def test_import_then_continue_in_sofx_equals_uninterrupted(case):
     assert _equal(state, ref_state)
 
 
+def _frozen_grads(params, step):
+    """``_grads`` with ``params['enc']['b']`` frozen: no gradient at any step (torch.optim keeps no state for it)."""
+    grads = _grads(params, step)
+    grads["enc"]["b"] = None
+    return grads
+
+
+@pytest.mark.parametrize("make, torch_cls", [(sofx.adam, torch.optim.Adam), (sofx.adamw, torch.optim.AdamW)],
+                         ids=["adam", "adamw"])
+def test_a_frozen_parameter_in_groups_of_other_hparams_round_trips_and_both_sides_step_on_alike(make, torch_cls):
+    """Two groups of other lr, betas, eps and weight decay, one holding a parameter that never gets a gradient
+    (torch.optim keeps no state for it; sofx counts 0): sofx's export leaves it out, and a fresh torch optimizer
+    loading it steps on as sofx does, bit for bit, for 3 steps (the frozen parameter unchanged); torch's state dict
+    of that run imports back (the frozen leaf at count 0, zero moments) and sofx steps on as torch, 3 more steps."""
+    opt = make(lr=1e-2, weight_decay=0.05)
+    hp = {"enc": sofx.AdamHParams(lr=3e-2, beta1=0.8, eps=1e-6), "dec": sofx.AdamHParams(beta2=0.99, weight_decay=0.0)}
+    ref, ref_state = _params(), opt.init(_params())
+    for step in range(9):
+        ref, ref_state, _ = opt.update(ref, _frozen_grads(ref, step), ref_state, hp)
+    params, state = _params(), opt.init(_params())
+    for step in range(3):
+        params, state, _ = opt.update(params, _frozen_grads(params, step), state, hp)
+    sd = ck.to_torch_optim(opt, state, hp, params=params)
+    assert sorted(sd["state"]) == [0, 1, 3]  # (torch's numbering: dec[0], dec[1], enc.b, enc.w)
+    theirs = _clone(params)
+    torch_opt = torch_cls([{"params": g["params"]} for g in ck.torch_param_groups(opt, theirs, hp)], lr=0.5)
+    torch_opt.load_state_dict(sd)
+    leaves, spec = tree.flatten(theirs)
+    for step in range(3, 6):
+        for p, g in zip(leaves, tree.flatten_up_to(spec, _frozen_grads(theirs, step))):
+            p.grad = g
+        torch_opt.step()
+    ours = params
+    for step in range(3, 6):
+        ours, state, _ = opt.update(ours, _frozen_grads(ours, step), state, hp)
+    assert _equal(theirs, ours)
+    assert torch.equal(theirs["enc"]["b"], _params()["enc"]["b"])
+    back, hparams = ck.from_torch_optim(opt, torch_opt.state_dict(), theirs, hp)
+    assert int(back.count["enc"]["b"]) == 0 and not back.mu["enc"]["b"].any() and not back.nu["enc"]["b"].any()
+    assert hparams == {"enc": sofx.AdamHParams(3e-2, 0.8, 0.999, 1e-6, 0.05),
+                       "dec": sofx.AdamHParams(1e-2, 0.9, 0.99, 1e-8, 0.0)}
+    assert _equal(back, state)
+    theirs = _clone(theirs)
+    for step in range(6, 9):
+        theirs, back, _ = opt.update(theirs, _frozen_grads(theirs, step), back, hparams)
+    assert _equal(theirs, ref)
+    assert _equal(back, ref_state)
+
+
 def test_import_returns_the_state_dicts_hparams():
     opt = sofx.adamw()
     params = _params()
