@@ -714,6 +714,26 @@ def test_a_state_dict_of_another_torch_optimizer_with_adams_state_keys_is_refuse
     assert state.count["enc"]["w"].item() == 3
 
 
+@pytest.mark.parametrize("torch_cls", [torch.optim.RAdam, torch.optim.NAdam, torch.optim.Adamax, torch.optim.SGD])
+@pytest.mark.parametrize("like", ["optimizer", "state_dict", "param_groups"])
+def test_an_export_like_another_torch_optimizer_is_refused_naming_the_group(torch_cls, like):
+    """``like=`` another torch optimizer than Adam or AdamW (or its state dict or groups) was taken, its groups'
+    entries kept: the torch optimizer loading the export then stepped RAdam on Adam's moments, or SGD without them,
+    without a word, or failed in its step with torch's bare KeyError ('mu_product' for NAdam, 'exp_inf' for
+    Adamax). Refused as from_torch_optim refuses such a state dict, naming the group and why."""
+    opt = sofx.adamw(lr=1e-2)
+    params = {"w": torch.randn(4, generator=torch.Generator().manual_seed(0))}
+    state = opt.update(params, {"w": torch.ones(4)}, opt.init(params))[1]
+    torch_opt = torch_cls([torch.nn.Parameter(params["w"].clone())], lr=1e-2)
+    given = {"optimizer": torch_opt, "state_dict": torch_opt.state_dict(), "param_groups": torch_opt.param_groups}
+    why = "'momentum_decay'" if torch_cls is torch.optim.NAdam else "no 'amsgrad'"
+    with pytest.raises(ck.CheckpointMismatchError, match=rf"^to_torch_optim: like's param_groups\[0\]: it holds "
+                                                         rf".*{why}.*: not a torch\.optim\.Adam or AdamW's"):
+        ck.to_torch_optim(opt, state, like=given[like])
+    adam = torch.optim.Adam([torch.nn.Parameter(params["w"].clone())], lr=1e-2, decoupled_weight_decay=True)
+    adam.load_state_dict(ck.to_torch_optim(opt, state, like=adam))  # (torch.optim.Adam's own is taken)
+
+
 @pytest.mark.parametrize("key, value, where", [
     ("lr", "0.01", r"\['lr'\]"), ("lr", None, r"\['lr'\]"), ("eps", torch.tensor([1e-8, 1e-6]), r"\['eps'\]"),
     ("betas", (0.9, "0.999"), r"\['betas'\]\[1\]"), ("weight_decay", [0.01], r"\['weight_decay'\]")])

@@ -128,7 +128,9 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     ``decoupled_weight_decay``: the optimizer's); ``like`` with another number of groups, or a group of another
     size, is refused (:class:`~sofx.checkpoint.CheckpointMismatchError`); so is a ``torch.optim.AdamW`` as ``like``
     of an L2 optimizer's export with weight decay (``sofx.adam``: AdamW's ``load_state_dict`` makes it decoupled),
-    and a state dict or groups as ``like`` whose group says ``decoupled_weight_decay=True`` over a group with decay.
+    and a state dict or groups as ``like`` whose group says ``decoupled_weight_decay=True`` over a group with decay;
+    so is ``like`` of another torch optimizer than Adam or AdamW (``RAdam``, ``NAdam``, ``SGD``...: its groups, as
+    :func:`from_torch_optim` refuses its state dict), which would step on Adam's moments as its own algorithm.
     A ``like`` group's ``param_names`` (a torch optimizer made from ``named_parameters()``) that name another leaf
     than the one the export puts at that position are refused, naming both (pass ``groups=`` in its order).
     """
@@ -151,8 +153,8 @@ def to_torch_optim(opt: Adam, state: AdamState, hparams: Any = None, *,
     # float32 moments are stepped in float64; from_torch_optim checks its params)
     if params is not None or opt.state_dtype is None:
         check_float32_groups(resolved, mus if params is None else p_leaves, paths)
-    _refuse_decoupling_like(opt, like, resolved)
     kept = _like_entries(like, [len(g.leaves) for g in resolved])
+    _refuse_decoupling_like(opt, like, resolved)
     _check_like_names(like, resolved, _leaves_by_name(state.mu if params is None else params), paths)
     torch_state: dict[int, dict] = {}
     param_groups = []
@@ -232,6 +234,12 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
     if not isinstance(found, (list, tuple)) or not all(isinstance(g, dict) for g in found):
         raise CheckpointError(f"to_torch_optim: like must be a torch optimizer, its state_dict() or its param_groups, "
                               f"got a {type(like).__name__}")
+    for gi, group in enumerate(found):  # (as from_torch_optim refuses their state dicts)
+        other = _other_torch_optimizer(group)
+        if other is not None:
+            raise CheckpointMismatchError(f"to_torch_optim: like's param_groups[{gi}]: {other}: not a torch.optim.Adam "
+                                          "or AdamW's (loading the export, it would step another algorithm on Adam's "
+                                          "moments and steps, or fail in its step)")
     if len(found) != len(sizes):
         raise CheckpointMismatchError(f"to_torch_optim: like has {len(found)} param groups, the export {len(sizes)}")
     for gi, (group, size) in enumerate(zip(found, sizes)):
