@@ -791,6 +791,21 @@ def test_a_saved_group_without_bias_correction_is_refused_naming_it(key):
     ck.from_torch_optim(sofx.adamw(), sd, params)
 
 
+@pytest.mark.parametrize("key, value, opt", [("decoupled_weight_decay", True, sofx.adam),
+                                             ("decoupled_weight_decay", False, sofx.adamw),
+                                             ("amsgrad", True, sofx.adamw), ("maximize", 1, sofx.adamw),
+                                             ("bias_correction", False, sofx.adamw),
+                                             ("correct_bias", False, sofx.adamw)])
+def test_a_saved_option_sofx_does_not_implement_is_refused_naming_from_torch_optim(key, value, opt):
+    """from_torch_optim's refusals of a saved group's options (another decay than the optimizer's, amsgrad or
+    maximize set, bias correction off) began 'param_groups[0] ...', naming neither the call nor the state dict, where
+    its other refusals begin 'from_torch_optim: '; they do too."""
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0][key] = value
+    with pytest.raises(UnsupportedError, match=rf"^from_torch_optim: param_groups\[0\]: {key}={value!r}"):
+        ck.from_torch_optim(opt(), sd, params)
+
+
 @pytest.mark.parametrize("value", ["False", "True", None, 0.0, 2])
 def test_a_saved_bias_correction_flag_that_is_no_bool_is_refused_naming_it(value):
     """A ``bias_correction``/``correct_bias`` of ``"False"`` (a config read as text) was true to ``not`` and

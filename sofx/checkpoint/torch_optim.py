@@ -339,8 +339,8 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
                                   f"{group[key]!r:.80}")
     name = refused_torch_option(group)
     if name is not None:
-        raise UnsupportedError(f"param_groups[{gi}]: {name}={group[name]!r} is not supported (only torch.optim's "
-                               "default, False)")
+        raise UnsupportedError(f"from_torch_optim: param_groups[{gi}]: {name}={group[name]!r} is not supported "
+                               "(only torch.optim's default, False)")
     for key in ("bias_correction", "correct_bias"):  # DeepSpeed's Adam, Hugging Face's AdamW (as load_zero3 refuses)
         if key not in group:
             continue
@@ -348,13 +348,15 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
             raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
                                   f"{group[key]!r:.80}")
         if not group[key]:
-            raise UnsupportedError(f"param_groups[{gi}]: {key}={group[key]!r} is not supported (torch.optim's Adam "
-                                   "always corrects the bias, and so does the optimizer it imports into)")
+            raise UnsupportedError(f"from_torch_optim: param_groups[{gi}]: {key}={group[key]!r} is not supported "
+                                   "(torch.optim's Adam always corrects the bias, and so does the optimizer it "
+                                   "imports into)")
     decoupled = group.get("decoupled_weight_decay")
     if decoupled is not None and bool(decoupled) != opt.variant.decoupled:
         want = "sofx.adamw (decoupled)" if decoupled else "sofx.adam (L2)"
-        raise UnsupportedError(f"param_groups[{gi}] has decoupled_weight_decay={bool(decoupled)}, the optimizer "
-                               f"is not: use {want}")
+        raise UnsupportedError(f"from_torch_optim: param_groups[{gi}]: decoupled_weight_decay={decoupled!r}, the "
+                               f"optimizer's weight decay is {'decoupled' if opt.variant.decoupled else 'L2'}: use "
+                               f"{want}")
 
 
 def _other_torch_optimizer(group: dict) -> str | None:
