@@ -60,7 +60,8 @@ import torch
 
 from sofx.errors import HParamError, SofxError
 from sofx.kernels.base import FLOAT32_MAX, as_number, is_traced, vmapped
-from sofx.kernels.user_numbers import as_integer, flag, integer, is_bool, positive_number, real_number
+from sofx.kernels.user_numbers import (as_integer, flag, integer, is_bool, nonnegative_number, positive_number,
+                                      real_number)
 from sofx.tree import article
 
 __all__ = [
@@ -604,8 +605,13 @@ def inverse_scale(scale: float) -> float:
     """``1/S`` as ``torch.amp.GradScaler`` unscales the gradients with it: its ``inv_scale`` is a float32 tensor,
     ``_scale.double().reciprocal().float()`` (``1/S`` in double rounded once to float32), and float64 gradients
     are multiplied by that float32 value too. For every other dtype the kernels round the multiplier to float32
-    anyway: the same bits as the double ``1/S``; float64 ones differed where ``S`` is no power of two."""
-    return _f32(1.0 / scale) if scale != 0 else math.inf
+    anyway: the same bits as the double ``1/S``; float64 ones differed where ``S`` is no power of two.
+
+    ``scale``: a number >= 0 (a Python or numpy number, or a 1-element tensor; 0 gives inf, inf gives 0), else an
+    :class:`HParamError` naming it (a str raised Python's bare "unsupported operand type(s) for /", a bool was
+    taken as 1 or 0, a negative or nan scale gave a negative or nan multiplier)."""
+    s = nonnegative_number("inverse_scale: scale", scale)
+    return _f32(1.0 / s) if s != 0 else math.inf
 
 
 def grad_scaler(init_scale: float = 2.0 ** 16, growth_factor: float = 2.0, backoff_factor: float = 0.5,

@@ -775,3 +775,12 @@ def test_check_state_kind_names_an_expected_kind_that_is_no_type():
         ls.check_state_kind(ls.grad_scaler().init(), "GradScalerState")
     with pytest.raises(HParamError, match=r"^scaler_state is a float; this scaler's state is a GradScalerState"):
         ls.check_state_kind(3.0, ls.GradScalerState)
+
+
+@pytest.mark.parametrize("scale, got", [("x", "str"), (None, "NoneType"), (True, "bool"), (1 + 2j, "complex"),
+                                        (torch.ones(2), "tensor of shape"), (-2.0, "float"), (float("nan"), "float")])
+def test_inverse_scale_refuses_what_is_no_loss_scale_naming_it(scale, got):
+    with pytest.raises(HParamError, match=rf"inverse_scale: scale = .* is invalid; expected a number >= 0.*{got}"):
+        ls.inverse_scale(scale)
+    assert ls.inverse_scale(3.0) == ls.inverse_scale(torch.tensor(3.0)) == ls.inverse_scale(3) != 1.0 / 3.0
+    assert ls.inverse_scale(0.0) == float("inf") and ls.inverse_scale(float("inf")) == 0.0
