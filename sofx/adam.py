@@ -1244,7 +1244,7 @@ def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
     if type(grad_scale) is float or type(grad_scale) is int:
         value = grad_scale
     elif is_numpy_real(grad_scale):  # (np.float32 was refused as no number; np.float64, a float, passed)
-        value = as_number(grad_scale)
+        value = as_number(grad_scale, "grad_scale")
     elif isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float, torch.Tensor)):
         raise HParamError(f"grad_scale must be a number or a 0-d floating-point tensor, got "
                           f"{type(grad_scale).__name__}")
@@ -2069,7 +2069,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
         refuse_half_precision(name, value, where, path)
         refuse_unreal_tensor(name, value, where, path)
         if is_numpy_real(value):  # (read as the Python number it holds where hparams are read: as_number)
-            value = as_number(value)
+            value = as_number(value, lambda: f"{where}{path}: {name}")
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
             raise HParamError(f"{where}{path}: {name} must be a float or a 0-d tensor, got {type(value).__name__}")
         if isinstance(value, torch.Tensor):

@@ -183,6 +183,34 @@ def test_a_numpy_grad_scale_is_taken_as_the_number_it_holds():
         opt.update(params, grads, state, grad_scale=np.float32(-1.0))
 
 
+
+def test_a_numpy_longdouble_hparam_no_float_holds_is_refused_naming_it():
+    """A numpy longdouble lr, beta or eps (or grad_scale) with more digits than a float (1/3 in x86's 80 bits) was
+    read by as_number as float() of it, rounded without a word, where the checkpoint imports refuse such a value.
+    update() and the defaults refuse it naming the hparam and the value, changing nothing; a longdouble a float
+    holds exactly (0.5) steps as that float."""
+    np = pytest.importorskip("numpy")
+    third = np.longdouble(1) / np.longdouble(3)
+    if float(third) == third:
+        pytest.skip("numpy's longdouble is a double on this platform")
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    why = r" is invalid: a numpy\.longdouble that no Python float \(a float64\) holds exactly"
+    for name, value in (("lr", third * 1e-3), ("beta1", third), ("eps", third * 2 ** -26)):
+        assert float(value) != value
+        named = rf"^hparams for params\['head'\]: {name} = {re.escape(repr(value))}"
+        with pytest.raises(sofx.HParamError, match=named + why):
+            opt.update(params, grads, state, sofx.AdamHParams(**{name: value}), donate=True)
+        with pytest.raises(sofx.HParamError, match=rf"^defaults: {name}.*{why}"):
+            sofx.adamw(**({"betas": (value, 0.999)} if name == "beta1" else {name: value}))
+    with pytest.raises(sofx.HParamError, match=rf"^grad_scale = .*{why}"):
+        opt.update(params, grads, state, grad_scale=third, donate=True)
+    _assert_unchanged(before, params, grads, state)
+    got = opt.update(params, grads, state, sofx.AdamHParams(lr=np.longdouble(0.5)))
+    want = opt.update(params, grads, state, sofx.AdamHParams(lr=0.5))
+    assert trees_equal(got[0], want[0]) and trees_equal(got[1], want[1])
+
+
 def test_a_meta_grad_scale_of_leaves_with_data_is_refused():
     """A meta 0-d grad_scale beside parameters with data reached torch's arithmetic ("Tensor on device meta is not
     on the expected device cpu!"); it is refused naming grad_scale, changing nothing."""

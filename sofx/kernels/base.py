@@ -235,14 +235,31 @@ def as_number(x: Scalar, name: TensorName = "a 0-d tensor", error: type[Exceptio
     A tensor whose element lies outside its storage (freed, ``untyped_storage().resize_(0)``, or shrunk: its
     ``item()`` raised torch's RuntimeError, or read past the end) is refused, ``error`` naming it ``name`` (the
     caller's name of the argument, or a function that builds it: :func:`~sofx.kernels.storage.refuse_short_storage`).
+    So is a numpy float that no Python float holds exactly (a ``longdouble``'s extra digits, :func:`_exact_float`).
     """
     if isinstance(x, torch.Tensor) and not is_traced(x) and x.dim() == 0:
         if not in_storage(x):
             refuse_short_storage(x, name, error)
         return x.item()
     if is_numpy_real(x):
-        return int(x) if isinstance(x, numbers.Integral) else float(x)
+        return int(x) if isinstance(x, numbers.Integral) else _exact_float(x, name, error)
     return x
+
+
+_UNNAMED = "a 0-d tensor"  # (as_number's name where its caller gives none)
+
+
+def _exact_float(x: Any, name: TensorName, error: type[Exception]) -> float:
+    """The numpy float ``x`` as the Python float that holds it exactly, else ``error`` naming ``name`` and the
+    value: a ``longdouble``'s extra digits (1/3 in x86's 80 bits) were rounded off by ``float()`` without a word,
+    where the checkpoint codec and imports refuse such a value."""
+    f = float(x)
+    if f != x and x == x:  # (nan is no number to round)
+        label = name if isinstance(name, str) else name()
+        raise error(f"{'' if label == _UNNAMED else f'{label} = '}{x!r:.60} is invalid: a numpy."
+                    f"{type(x).__name__} that no Python float (a float64) holds exactly, which float() rounds to "
+                    f"{f!r} (sofx computes hparams as Python floats); give float(x) if that is meant")
+    return f
 
 
 def is_numpy_real(x: object) -> bool:
