@@ -1227,6 +1227,8 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
         if x is not None:
             refuse_half_precision(f, x, where)
             refuse_unreal_tensor(f, x, where)  # (read as a Python bool or complex, its refusal said "got bool")
+            if f == "eps":
+                refuse_eps_held_as_0(x, where)  # (read as 0.0, refused as no value the caller wrote)
     return AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
                          as_number(x, lambda f=f: f"{where}: {f}")
                          for f, x, d in zip(AdamHParams._fields, hp, defaults)))
@@ -2068,6 +2070,7 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
                               f"(a float or a 0-d tensor): {_field_schedule_hint(name)}")
         refuse_half_precision(name, value, where, path)
         refuse_unreal_tensor(name, value, where, path)
+        given = value
         if is_numpy_real(value):  # (read as the Python number it holds where hparams are read: as_number)
             value = as_number(value, lambda: f"{where}{path}: {name}")
         if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
@@ -2079,7 +2082,32 @@ def check_hparam_value(name: str, value: Any, where: str, path: str = "") -> Non
             if is_traced(value):
                 return
             value = as_number(value, lambda: f"{where}{path}: {name}")
+        if name == "eps" and value == 0:
+            refuse_eps_held_as_0(given, where, path)
     check_hparam_range(name, value, where, path)
+
+
+def refuse_eps_held_as_0(given: Any, where: str, path: str = "", label: str | None = None) -> None:
+    """Refuse (an :class:`HParamError` naming ``where + path``) an eps ``given`` as a float16, bfloat16 or float32
+    number (a numpy one or a concrete 0-d tensor) that holds 0: ``np.float16(1e-8)`` is 0, below half of float16's
+    least positive value ``2**-24``, and was refused as "eps = 0.0 ... expected eps > 0", a value the caller never
+    wrote. Says it holds 0 in that dtype, and why; another value (a Python 0.0) is left to the range check.
+    ``label``: how the value is named instead of ``where + path: eps`` (the offload facade's
+    ``param_groups[0]['eps']``, as :func:`refuse_half_precision`'s)."""
+    if type(given) is float:  # (the common case, once per group and step)
+        return
+    tensor = isinstance(given, torch.Tensor)
+    kind = str(given.dtype).removeprefix("torch.") if tensor or type(given).__module__ == "numpy" else ""
+    if kind not in ("float16", "bfloat16", "float32") or (tensor and (given.dim() != 0 or is_traced(given))):
+        return
+    label = f"{where}{path}: eps" if label is None else label
+    value = as_number(given, label)
+    if value != 0:
+        return
+    info = torch.finfo(getattr(torch, kind))
+    raise HParamError(f"{label} = {value!r} is invalid; expected eps > 0: given as a {kind} number "
+                      f"({given!r:.60}), which holds 0 (an eps below half of {kind}'s least positive value "
+                      f"{info.tiny * info.eps!r} rounds to 0 in {kind}); give eps as a Python float")
 
 
 def refuse_unreal_tensor(name: str, value: Any, where: str, path: str = "") -> None:

@@ -211,6 +211,28 @@ def test_a_numpy_longdouble_hparam_no_float_holds_is_refused_naming_it():
     assert trees_equal(got[0], want[0]) and trees_equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("make, kind", [
+    (lambda np: np.float16(1e-8), "float16"), (lambda np: torch.tensor(1e-8, dtype=torch.float16), "float16"),
+    (lambda np: np.float32(1e-50), "float32")])
+def test_an_eps_that_rounds_to_0_in_its_dtype_is_refused_saying_so(make, kind):
+    """eps=np.float16(1e-8) (a float16 eps is taken, only added) holds 0: it was refused as "eps = 0.0 is
+    invalid; expected eps > 0", a value the caller never wrote. The refusal says it was given as a float16 number
+    that holds 0, where a value below half its least positive value rounds to 0, at a step and at construction (the
+    offload optimizer's too)."""
+    np = pytest.importorskip("numpy")
+    eps = make(np)
+    why = rf"eps = 0\.0 is invalid; expected eps > 0: given as a {kind} number .*, which holds 0 \(an eps below "
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    with pytest.raises(sofx.HParamError, match=rf"^hparams for params\['head'\]: {why}.* rounds to 0 in {kind}"):
+        opt.update(params, grads, state, sofx.AdamHParams(eps=eps), donate=True)
+    _assert_unchanged(before, params, grads, state)
+    with pytest.raises(sofx.HParamError, match=rf"^defaults: {why}"):
+        sofx.adamw(eps=eps)
+    with pytest.raises(sofx.HParamError, match=rf"^defaults\['eps'\] = 0\.0 is invalid; expected eps > 0: given as"):
+        sofx.offload.SpeculativeAdamW(torch.nn.Linear(2, 2).parameters(), eps=eps)
+
+
 def test_a_meta_grad_scale_of_leaves_with_data_is_refused():
     """A meta 0-d grad_scale beside parameters with data reached torch's arithmetic ("Tensor on device meta is not
     on the expected device cpu!"); it is refused naming grad_scale, changing nothing."""

@@ -166,8 +166,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 
 import torch
 
-from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_half_precision,
-                       refused_torch_option, torch_betas, torch_non_flag)
+from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_eps_held_as_0,
+                       refuse_half_precision, refused_torch_option, torch_betas, torch_non_flag)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
@@ -255,6 +255,8 @@ def _number(value: Any, what: str, field: str) -> float:
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value = value.detach()
     refuse_half_precision(field, value, "", label=what)
+    if field == "eps":  # (np.float16(1e-8) holds 0: refused saying so, not as an eps of 0.0 the caller never wrote)
+        refuse_eps_held_as_0(value, "", label=what)
     if callable(value):  # a sofx schedule (optax's learning_rate=schedule)
         raise HParamError(f"{what} is a schedule ({type(value).__name__}), where the offload optimizer takes a "
                           "number: its lr follows a torch.optim.lr_scheduler; for a sofx schedule, lr=1.0 and "
