@@ -867,6 +867,26 @@ def test_a_tensor_nodes_requires_grad_or_parameter_mark_that_is_no_bool_is_corru
     assert type(x) is torch.Tensor and x.requires_grad
 
 
+def test_a_tensor_nodes_crc32_that_is_no_integer_is_a_damaged_field_not_a_failed_checksum(tmp_path, rng):
+    """A tensor node's "crc32" that is no integer (a damaged or crafted file's "123", 1.5, true, null, one beyond 32
+    bits) was compared with the data's CRC-32 and reported as "fails its checksum: the data is corrupted", which
+    the data is not. It is a CorruptCheckpointError naming the file, the leaf, the field, its value and type, before
+    any tensor is read; verify=False does not read the field and loads the data."""
+    x = torch.randn(3, generator=rng)
+    path = ck.save(tmp_path / "c.ckpt", {"x": x})
+    tree_ = ck.read_metadata(path)["tree"]
+    good = open(path, "rb").read()
+    node = tree_["items"][0]
+    for value in (str(node["crc32"]), float(node["crc32"]), True, None, 2 ** 32, -1):
+        open(path, "wb").write(good)
+        _rewrite_metadata(path, tree=json.dumps({**tree_, "items": [{**node, "crc32": value}]}))
+        with pytest.raises(ck.CorruptCheckpointError, match=rf"^{re.escape(str(path))}: tensor tree\['x'\] has a "
+                                                            rf"damaged crc32 field {re.escape(repr(value))} "
+                                                            rf"\({tree.article(type(value).__name__)}\)"):
+            ck.load(path)
+        assert torch.equal(ck.load(path, verify=False)["x"], x)
+
+
 def test_trees_nested_too_deeply_are_refused_and_deep_headers_are_corrupt(tmp_path, rng):
     """A tree nested beyond MAX_NESTING containers is refused when saved (a CheckpointError naming where; the file
     before it kept), so that every file sofx writes reads back (its JSON is read recursively); one at the limit

@@ -61,6 +61,7 @@ from sofx.checkpoint.errors import (CheckpointError, CheckpointIOError, Checkpoi
                                     system_error)
 from sofx.checkpoint.known_types import type_registry
 from sofx.kernels.layout import dims_in_memory_order, is_dense
+from sofx.tree import article
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "prepare", "snapshot", "check_writable", "check_header", "write", "read",
            "read_metadata", "nbytes", "structure_checksum"]
@@ -519,6 +520,11 @@ def read(path: str | os.PathLike, like: Any = None, *, types: Iterable[type] | M
             if "order" in node and header["version"] < FORMAT_VERSION:
                 raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has an order of its dimensions in a file "
                                              f"of format version {header['version']}, which has none")
+            crc = node.get("crc32")  # (compared with the data's: a "123" or 1.5 was data failing its checksum)
+            if verify and "crc32" in node and not (type(crc) is int and 0 <= crc < 2 ** 32):
+                raise CorruptCheckpointError(f"{path}: tensor {leaf_path} has a damaged crc32 field {crc!r:.40} "
+                                             f"({article(type(crc).__name__)}), expected an integer 0 <= crc32 < "
+                                             "2**32 (the CRC-32 of its data): the structure is corrupted")
             view = f.get_slice(key)
             shape = list(view.get_shape())
             if shape != _file_shape(node):
