@@ -221,8 +221,8 @@ class Adam:
         if undo not in _UNDO_MODES:
             raise UnsupportedError(f"undo={undo!r}; expected one of {_UNDO_MODES}")
         if state_dtype is not None and not isinstance(state_dtype, torch.dtype):  # ("bfloat16" raised AttributeError)
-            raise UnsupportedError(f"state_dtype={state_dtype!r} is a {type(state_dtype).__name__}; expected a "
-                                   "floating torch.dtype (torch.float32, torch.bfloat16, torch.float16, "
+            raise UnsupportedError(f"state_dtype={state_dtype!r} is {tree.article(type(state_dtype).__name__)}; "
+                                   "expected a floating torch.dtype (torch.float32, torch.bfloat16, torch.float16, "
                                    "torch.float64) or None")
         if state_dtype is not None and not state_dtype.is_floating_point:
             raise UnsupportedError(f"state_dtype={state_dtype} is not a floating dtype")
@@ -801,14 +801,15 @@ class Adam:
             if rec.strategy == "none":
                 raise UndoError(f"{leaf.path}: this step cannot be undone ({rec.reason})")
             if not isinstance(rec.grad, torch.Tensor):  # (a record is a pytree: a tree_map may replace its tensors)
-                raise UndoError(f"{leaf.path}: the record's gradient is a {type(rec.grad).__name__}, not a tensor: "
-                                "the record's tensors were replaced (a tree_map over it); undo the record the step "
-                                "returned")
+                raise UndoError(f"{leaf.path}: the record's gradient is {tree.article(type(rec.grad).__name__)}, not a "
+                                "tensor: the record's tensors were replaced (a tree_map over it); undo the record the "
+                                "step returned")
             count = rec.count_before  # (a number where a transform rebuilt the record with non-tensor leaves)
             if not (isinstance(count, torch.Tensor) or (isinstance(count, numbers.Integral) and not is_bool(count))):
-                raise UndoError(f"{leaf.path}: the record's count_before is a {type(count).__name__}, expected the "
-                                "step count before the step (a 0-d int64 tensor, or a number): the record's tensors "
-                                "were replaced (a tree_map over it); undo the record the step returned")
+                raise UndoError(f"{leaf.path}: the record's count_before is {tree.article(type(count).__name__)}, "
+                                "expected the step count before the step (a 0-d int64 tensor, or a number): the "
+                                "record's tensors were replaced (a tree_map over it); undo the record the step "
+                                "returned")
             if not compiling:  # (versions are not read under torch.compile: no graph break)
                 changed = rec.changed_in_place()
                 if changed is not None:

@@ -201,7 +201,7 @@ def apply_if_finite(inner: Adam, max_consecutive_errors: int) -> ApplyIfFinite:
     if not isinstance(inner, Adam):
         what = ("a GradientTransformation: wrap the optimizer instead (sofx.adamw(...)), whose state a skipped "
                 "step must keep, and apply the transformation to the gradients before its update"
-                if isinstance(inner, GradientTransformation) else f"a {type(inner).__name__}")
+                if isinstance(inner, GradientTransformation) else tree.article(type(inner).__name__))
         raise UnsupportedError(f"apply_if_finite: inner is {what}; expected a sofx optimizer (sofx.adam(...) or "
                                "sofx.adamw(...))")
     n = integer("apply_if_finite: max_consecutive_errors", max_consecutive_errors, 0)
@@ -259,8 +259,8 @@ def _finite_counters(state: Any, params: Any) -> tuple[Any, Any, Any]:
     :class:`~sofx.errors.LeafError`, as the inner optimizer's refusal)."""
     _check_state("apply_if_finite", state, ApplyIfFiniteState, "apply_if_finite(opt).init(params)")
     if not isinstance(state.inner_state, AdamState):  # (the inner step's refusal named it "state", an AdamState)
-        raise LeafError(f"apply_if_finite: state.inner_state is a {type(state.inner_state).__name__}; expected the "
-                        "inner optimizer's AdamState (apply_if_finite(opt).init(params) makes the state)")
+        raise LeafError(f"apply_if_finite: state.inner_state is {tree.article(type(state.inner_state).__name__)}; "
+                        "expected the inner optimizer's AdamState (apply_if_finite(opt).init(params) makes the state)")
     meta = [name for name in ("notfinite_count", "last_finite", "total_notfinite")
             if isinstance(getattr(state, name), torch.Tensor) and getattr(state, name).is_meta]
     if meta and not torch.compiler.is_compiling() and any(

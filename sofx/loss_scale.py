@@ -203,7 +203,7 @@ def check_scaler(scaler: Any, name: str = "scaler") -> None:
                           "scaler_state)")
     if any(scaler is factory for factory in (grad_scaler, deepspeed_scaler, static_scale)):
         raise HParamError(f"{name} is the function {scaler.__name__}; call it for a rule: {scaler.__name__}(...)")
-    raise HParamError(f"{name} is a {kind.__name__}; expected a loss-scale rule (init, scale and update: "
+    raise HParamError(f"{name} is {article(kind.__name__)}; expected a loss-scale rule (init, scale and update: "
                       f"{_RULE_HINT}; static_scale(1.0) is no loss scaling)")
 
 
@@ -215,7 +215,7 @@ def check_state_kind(state: Any, expected: type) -> None:
         raise TypeError(f"check_state_kind: expected is {article(type(expected).__name__)} ({expected!r:.80}), "
                         "expected a type (the rule's state class)")
     if not isinstance(state, expected):
-        raise HParamError(f"scaler_state is a {type(state).__name__}; this scaler's state is a "
+        raise HParamError(f"scaler_state is {article(type(state).__name__)}; this scaler's state is a "
                           f"{expected.__name__} (as scaler.init() makes it)")
 
 
@@ -701,7 +701,7 @@ def to_torch_grad_scaler_state(rule: GradScalerRule, state: Any) -> dict[str, An
     inverse of :func:`from_torch_grad_scaler`. Another rule than :func:`grad_scaler`'s (DeepSpeed's, a static
     scale: GradScaler has no equivalent) and a state the rule refuses are refused (an :class:`HParamError`)."""
     if not isinstance(rule, GradScalerRule):
-        raise HParamError(f"to_torch_grad_scaler_state: rule is a {type(rule).__name__}; GradScaler's rule is "
+        raise HParamError(f"to_torch_grad_scaler_state: rule is {article(type(rule).__name__)}; GradScaler's rule is "
                           "sofx.loss_scale.grad_scaler(...) (GradScaler has no equivalent of another)")
     if isinstance(state, Mapping) and not isinstance(state, tuple):
         fields = {k: v for k, v in state.items() if k != "type"}

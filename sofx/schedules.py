@@ -52,6 +52,7 @@ from sofx.errors import HParamError
 from sofx.kernels.base import as_number, is_numpy_real, is_traced
 from sofx.kernels.storage import in_storage
 from sofx.kernels.user_numbers import finite_number, flag, integer
+from sofx.tree import article
 
 __all__ = [
     "Schedule",
@@ -436,7 +437,7 @@ class Join:
                                   f"{boundaries[i - 1]} (boundaries[{i - 1}]: boundaries do not decrease)")
         for i, s in enumerate(schedules):
             if not callable(s):
-                raise HParamError(f"join: schedule {i} is a {type(s).__name__}, not callable")
+                raise HParamError(f"join: schedule {i} is {article(type(s).__name__)}, not callable")
         _set(self, schedules=schedules, boundaries=tuple(boundaries))
         self._refuse_negative_starts()
 
@@ -535,7 +536,7 @@ class HParamsSchedule:
         step = _step(step)
         out = self.base(step) if self.base is not None else AdamHParams()
         if not isinstance(out, AdamHParams):
-            raise HParamError(f"hparams_schedule: base returned a {type(out).__name__}, expected an AdamHParams")
+            raise HParamError(f"hparams_schedule: base returned {article(type(out).__name__)}, expected an AdamHParams")
         values = []
         for name, current in zip(AdamHParams._fields, out):
             f = getattr(self, name)

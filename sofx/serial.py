@@ -144,7 +144,8 @@ def check_opt(opt: Any) -> None:
         raise SofxError("opt is an apply_if_finite(...) wrapper; the loops take its inner sofx.Adam (opt.inner) and "
                         "skip a step whose gradients are not finite themselves, through their loss scaler")
     if not isinstance(opt, Adam):
-        raise SofxError(f"opt is a {type(opt).__name__}; expected a sofx.Adam (sofx.adamw(...) or sofx.adam(...))")
+        raise SofxError(f"opt is {tree.article(type(opt).__name__)}; expected a sofx.Adam (sofx.adamw(...) or "
+                        "sofx.adam(...))")
 
 
 def check_loop(loop: Any) -> int:
@@ -156,7 +157,7 @@ def check_loop(loop: Any) -> int:
     2 without a word, and a string raised a TypeError after the step, with ``donate=True`` on overwritten
     parameters)."""
     if not isinstance(loop, LoopState):
-        raise SofxError(f"loop is a {type(loop).__name__}; expected a sofx.serial.LoopState "
+        raise SofxError(f"loop is {tree.article(type(loop).__name__)}; expected a sofx.serial.LoopState "
                         "(sofx.serial.init_loop(opt, params, scaler) makes it)")
     if type(loop.step) is int and loop.step >= 0:  # the common case, every step
         return loop.step
@@ -372,9 +373,9 @@ def check_reduce_sumsq(reduce_sumsq: Any) -> None:
     """Refuse (an :class:`HParamError`) a ``reduce_sumsq`` that is neither ``None`` nor callable (``5`` raised
     "'int' object is not callable" from the reduction, after a speculative step's blocks had run)."""
     if reduce_sumsq is not None and not callable(reduce_sumsq):
-        raise HParamError(f"reduce_sumsq is a {type(reduce_sumsq).__name__}; expected a function of this rank's sum "
-                          "of squares that returns the sum over ranks (sofx.distributed.all_reduce_sumsq(group)), "
-                          "or None")
+        raise HParamError(f"reduce_sumsq is {tree.article(type(reduce_sumsq).__name__)}; expected a function of this "
+                          "rank's sum of squares that returns the sum over ranks "
+                          "(sofx.distributed.all_reduce_sumsq(group)), or None")
 
 
 def refuse_reduce(reduce_sumsq: Callable[[float], float] | None, error: BaseException) -> None:

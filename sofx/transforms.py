@@ -507,7 +507,7 @@ def _not_a_transformation(where: str, t: Any) -> str:
                 "then opt.update(params, grads, state, hparams) with their gradients")
     if inspect.isfunction(t) and t.__name__ in globals() and globals()[t.__name__] is t:
         return f"{where} is the function {t.__name__}: call it for the transformation, {t.__name__}(...)"
-    return f"{where} is a {type(t).__name__}, expected a GradientTransformation"
+    return f"{where} is {tree.article(type(t).__name__)}, expected a GradientTransformation"
 
 
 def chain(*transforms: GradientTransformation) -> GradientTransformation:
@@ -557,8 +557,8 @@ def _keywords_taken(update: Callable[..., Any]) -> frozenset[str] | None:
 def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:
     """A state of another type than the transformation's own is refused, naming both (an AttributeError later)."""
     if not isinstance(state, expected):
-        raise SofxError(f"{who}: state is a {type(state).__name__}; expected a {expected.__name__} (as {made_by} "
-                        "makes it)")
+        raise SofxError(f"{who}: state is {tree.article(type(state).__name__)}; expected a {expected.__name__} (as "
+                        f"{made_by} makes it)")
 
 
 def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:
@@ -908,7 +908,7 @@ def merge_hparams(base: AdamHParams, override: AdamHParams | None) -> AdamHParam
 
 def _check_is_hparams(name: str, x: Any) -> None:
     if not isinstance(x, AdamHParams):
-        raise HParamError(f"{name} is a {type(x).__name__}; expected sofx.AdamHParams (e.g. "
+        raise HParamError(f"{name} is {tree.article(type(x).__name__)}; expected sofx.AdamHParams (e.g. "
                           f"AdamHParams(weight_decay=0.0), not a dict or a tuple)")
 
 
@@ -928,8 +928,8 @@ def group_hparams(labels: Any, groups: Mapping[str, AdamHParams], base: AdamHPar
     base = base if base is not None else AdamHParams()
     _check_is_hparams("base", base)
     if not isinstance(groups, Mapping):
-        raise HParamError(f"groups is a {type(groups).__name__}; expected a mapping label -> AdamHParams (e.g. "
-                          "{'no_decay': AdamHParams(weight_decay=0.0)})")
+        raise HParamError(f"groups is {tree.article(type(groups).__name__)}; expected a mapping label -> AdamHParams "
+                          "(e.g. {'no_decay': AdamHParams(weight_decay=0.0)})")
     for label, hp in groups.items():
         if hp is not None:
             _check_is_hparams(f"groups[{label!r}]", hp)

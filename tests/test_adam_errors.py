@@ -916,7 +916,8 @@ def test_a_state_dtype_that_is_not_a_torch_dtype_is_refused_naming_it():
     """``sofx.adamw(state_dtype="bfloat16")`` raised a bare AttributeError ("'str' object has no attribute
     'is_floating_point'"): refused now naming the dtype meant."""
     for bad in ("bfloat16", "torch.float16", 32):
-        with pytest.raises(sofx.UnsupportedError, match=rf"^state_dtype={bad!r} is a {type(bad).__name__}; expected "
+        kind = sofx.tree.article(type(bad).__name__)
+        with pytest.raises(sofx.UnsupportedError, match=rf"^state_dtype={bad!r} is {kind}; expected "
                                                         r"a floating torch\.dtype \(torch\.float32, torch\.bfloat16, "
                                                         r"torch\.float16, torch\.float64\) or None"):
             sofx.adamw(state_dtype=bad)

@@ -387,7 +387,7 @@ def test_bad_chunked_calls_are_refused_before_anything_is_written(name, native, 
             backend.step_chunks([*good, bad], AdamVariant())
         assert all(not bool(t.any()) for t in good_out + good_kept + out)
         assert str(e.value).startswith(f"{name}.step_chunks[2]: ") and " run " not in str(e.value)
-    with pytest.raises(LeafError, match="expected a ChunkedCall of a UndoRedoCall"):
+    with pytest.raises(LeafError, match="expected a ChunkedCall of an UndoRedoCall"):
         backend.undo_redo_chunks(good, AdamVariant())
 
 

@@ -629,7 +629,7 @@ def test_step_with_a_closure_that_is_not_callable_names_it_and_takes_no_step() -
         batch = mlp_batch(torch.Generator().manual_seed(0))
         opt.backward(mlp_loss(model, batch))
         for bad in (3, mlp_loss(model, batch)):
-            with pytest.raises(TypeError, match=r"^step\(closure\): closure is a (int|Tensor), expected a callable "
+            with pytest.raises(TypeError, match=r"^step\(closure\): closure is (an int|a Tensor), expected a callable "
                                                 r"\(one that computes the loss and runs backward\) or None"):
                 opt.step(bad)
         assert opt.last_report is None

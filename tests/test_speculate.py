@@ -997,7 +997,7 @@ def test_an_optimizer_or_loop_state_of_another_kind_is_refused_by_both_loops(rng
     params, grads = _params(rng), _grads(rng)
     loop = init_loop(opt, params, rule)
     torch_opt = torch.optim.AdamW([torch.nn.Parameter(p.clone()) for p in params])
-    wrong_opt = r"opt is a AdamW; expected a sofx\.Adam \(sofx\.adamw\(\.\.\.\) or sofx\.adam\(\.\.\.\)\)"
+    wrong_opt = r"opt is an AdamW; expected a sofx\.Adam \(sofx\.adamw\(\.\.\.\) or sofx\.adam\(\.\.\.\)\)"
     wrong_loop = (r"loop is a tuple; expected a sofx\.serial\.LoopState \(sofx\.serial\.init_loop\(opt, params, "
                   r"scaler\) makes it\)")
     config = sp.SpeculationConfig()
@@ -1347,7 +1347,8 @@ def test_an_opt_that_is_not_a_sofx_adam_is_refused_by_the_block_protocol(rng):
     assert action.reason == "its speculative step did not run (taken[0] is False): stepped now"
     before = param.clone()
     for bad, words in ((sofx.apply_if_finite(inner, 3), "opt is an apply_if_finite(...) wrapper"),
-                       (torch.optim.Adam([torch.nn.Parameter(torch.randn(2))]), "opt is a Adam; expected a sofx.Adam")):
+                       (torch.optim.Adam([torch.nn.Parameter(torch.randn(2))]),
+                        "opt is an Adam; expected a sofx.Adam")):
         for call in (lambda: sp.begin_step(bad, sp.SpeculationConfig(), rule, rule.init(), n_blocks=1),
                      lambda: sp.block_eligibility(bad, param, grad, state, AdamHParams(), 1.0),
                      lambda: sp.speculative_block_step(bad, param, grad, state, decision, donate=True),
@@ -1817,11 +1818,12 @@ def test_an_order_or_reduce_sumsq_of_another_kind_is_refused_before_anything_run
         sp.speculative_step(opt, one, {"w": grads[0]}, opt.init(one), config=sp.SpeculationConfig(), scaler=rule,
                             scaler_state=rule.init(), order=0, donate=donate)
     for bad in (5, "sum"):
-        with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is a {type(bad).__name__}; expected a "
+        kind = sofx.tree.article(type(bad).__name__)
+        with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is {kind}; expected a "
                                                    r"function of this rank's sum of squares"):
             sp.speculative_step(opt, params, grads, state, config=sp.SpeculationConfig(), scaler=rule,
                                 scaler_state=rule.init(), reduce_sumsq=bad, donate=donate)
-        with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is a {type(bad).__name__}; expected"):
+        with pytest.raises(sofx.HParamError, match=rf"^reduce_sumsq is {kind}; expected"):
             serial_step(opt, params, grads, state, scaler=rule, scaler_state=rule.init(), reduce_sumsq=bad,
                         donate=donate)
     assert all(torch.equal(a, b) for a, b in zip(before[0] + before[1] + before[2],

@@ -1,4 +1,5 @@
 import collections
+import re
 import sys
 
 import optree
@@ -516,6 +517,23 @@ def test_tree_map_with_an_fn_that_is_not_callable_names_it_even_over_an_empty_tr
             tree.tree_map(fn, tr, tr)
     with pytest.raises(TypeError, match=r"^tree_map: fn is a dict .*expected a callable.*tree_map\(fn, tree\)"):
         tree.tree_map(params, torch.neg)
+
+
+def test_refusals_naming_a_type_put_the_right_article_before_it():
+    """About 40 refusals wrote "is a {type(x).__name__}": "groups is a int", "opt is a Adam", "schedule 0 is a int".
+    They put :func:`sofx.tree.article`'s article before the type's name, as the rest of sofx does."""
+    import sofx.serial
+    import sofx.transforms as tx
+
+    for call, words in ((lambda: tx.group_hparams({"w": "a"}, 5), "groups is an int; expected a mapping"),
+                        (lambda: sofx.loss_scale.grad_scaler().scale(7), "scaler_state is an int; this scaler's "
+                                                                         "state is a GradScalerState"),
+                        (lambda: sofx.schedules.join([1], []), "join: schedule 0 is an int, not callable"),
+                        (lambda: sofx.serial.check_opt(torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])),
+                         "opt is an Adam; expected a sofx.Adam"),
+                        (lambda: tx.chain(tx.identity(), 1.5), "argument 1 is a float, expected")):
+        with pytest.raises(sofx.SofxError, match=re.escape(words)):
+            call()
 
 
 def test_pack_and_numel_of_refuse_a_lazy_modules_uninitialized_parameter_naming_it():

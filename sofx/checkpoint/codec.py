@@ -163,9 +163,9 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
         if type(x) is collections.OrderedDict and isinstance(meta, dict):
             node["metadata"] = _encode(meta, f"{path}._metadata", out, depth + 1)
         return node
-    raise CheckpointError(f"{path}: a {type(x).__module__}.{type(x).__qualname__} cannot be stored in a checkpoint; "
-                          "expected tensors, None, bool/int/float/str, torch.dtype, and lists, tuples, dicts "
-                          "(str or int keys) and NamedTuples of these")
+    raise CheckpointError(f"{path}: {_article(type(x).__module__ + '.' + type(x).__qualname__)} cannot be stored in a "
+                          "checkpoint; expected tensors, None, bool/int/float/str, torch.dtype, and lists, tuples, "
+                          "dicts (str or int keys) and NamedTuples of these")
 
 
 def max_key_digits() -> int:

@@ -233,7 +233,7 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
         found = like
     if not isinstance(found, (list, tuple)) or not all(isinstance(g, dict) for g in found):
         raise CheckpointError(f"to_torch_optim: like must be a torch optimizer, its state_dict() or its param_groups, "
-                              f"got a {type(like).__name__}")
+                              f"got {tree.article(type(like).__name__)}")
     for gi, group in enumerate(found):  # (as from_torch_optim refuses their state dicts)
         other = _other_torch_optimizer(group)
         if other is not None:
@@ -560,8 +560,8 @@ def _check_hashable(pid: Any, where: str) -> None:
     try:
         hash(pid)
     except TypeError:
-        raise CheckpointError(f"from_torch_optim: {where} is a {type(pid).__name__}, not a parameter id (ids are "
-                              "keys of the state dict's 'state': they must be hashable)") from None
+        raise CheckpointError(f"from_torch_optim: {where} is {tree.article(type(pid).__name__)}, not a parameter id "
+                              "(ids are keys of the state dict's 'state': they must be hashable)") from None
 
 
 def _list_once(used: dict[Any, int], pid: Any, gi: int) -> None:

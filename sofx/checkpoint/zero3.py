@@ -367,8 +367,8 @@ def deepspeed_loss_scaler(rule: Any, state: Any) -> dict:
                 "raise_error_at_min_scale": bool(rule.raise_error_at_min_scale)}
     if isinstance(rule, StaticScaleRule) and isinstance(state, StaticScaleState):
         return {"cur_scale": float(state.scale), "dynamic": False}
-    raise CheckpointError(f"loss_scaler: a {type(rule).__name__} with a {type(state).__name__} has no DeepSpeed "
-                          "counterpart; expected deepspeed_scaler() or static_scale() with its state")
+    raise CheckpointError(f"loss_scaler: {tree.article(type(rule).__name__)} with {tree.article(type(state).__name__)} "
+                          "has no DeepSpeed counterpart; expected deepspeed_scaler() or static_scale() with its state")
 
 
 def _check_plain(x: Any, where: str) -> None:

@@ -117,7 +117,8 @@ def _setup_entries(params: Any, opt: Any, scaler: Any, config: Any, hparams: Any
             _entries(f"hparams({step})", hparams(step), out)
     if settings is not None:
         if not isinstance(settings, Mapping):
-            raise SofxError(f"settings is a {type(settings).__name__}; expected a mapping of names to settings")
+            raise SofxError(f"settings is {tree.article(type(settings).__name__)}; expected a mapping of names to "
+                            "settings")
         _entries("settings", dict(settings), out)
     return out
 

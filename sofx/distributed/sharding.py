@@ -80,8 +80,8 @@ class Shard:
         if not rank < world_size:
             raise SofxError(f"rank {self.rank} is not in [0, {self.world_size})")
         if not isinstance(self.spec, tree.TreeSpec):  # (a bare AttributeError: no attribute 'num_leaves')
-            raise SofxError(f"Shard: spec is a {type(self.spec).__name__}; expected the params' tree structure "
-                            "(sofx.tree.flatten(params)[1]); shard_blocks(params) builds a Shard")
+            raise SofxError(f"Shard: spec is {tree.article(type(self.spec).__name__)}; expected the params' tree "
+                            "structure (sofx.tree.flatten(params)[1]); shard_blocks(params) builds a Shard")
         given = _items_of(self.owners, "Shard: owners", "ranks, one per leaf")
         if len(given) != self.spec.num_leaves:
             raise SofxError(f"owners has {len(given)} entries, the params tree has {self.spec.num_leaves} leaves")
@@ -126,9 +126,9 @@ class Shard:
             inner = getattr(opt, "inner", None)
             wrapper = " (of an apply_if_finite wrapper, pass its inner sofx.Adam: opt.inner)" \
                 if isinstance(inner, Adam) else ""
-            raise SofxError(f"Shard.local_hparams: opt is a {type(opt).__name__}; expected the sofx.Adam the loops "
-                            "step with (sofx.adamw(...) or sofx.adam(...)), whose defaults fill the fields left "
-                            f"None{wrapper}")
+            raise SofxError(f"Shard.local_hparams: opt is {tree.article(type(opt).__name__)}; expected the sofx.Adam "
+                            "the loops step with (sofx.adamw(...) or sofx.adam(...)), whose defaults fill the fields "
+                            f"left None{wrapper}")
         if callable(hparams):  # evaluated as the loops do (hparams_at: what it returned, refused in their words)
             return lambda step: self.local_hparams(opt, hparams_at(hparams, step))
         per_leaf = opt.resolve_hparams(hparams, self.spec)  # checked; defaults filled in, tensors read
@@ -351,8 +351,8 @@ def _build_shard(params: Any, owners: Sequence[int] | None, rank: int, world_siz
     leaves, spec = tree.flatten(params)
     for path, x in zip(tree.leaf_paths(spec), leaves):
         if not isinstance(x, torch.Tensor):
-            raise SofxError(f"shard_blocks: {path} is a {type(x).__name__}; expected a tensor (a meta tensor "
-                            "describes a leaf without its data)")
+            raise SofxError(f"shard_blocks: {path} is {tree.article(type(x).__name__)}; expected a tensor (a meta "
+                            "tensor describes a leaf without its data)")
     # checked before they are used (int() took rank=0.5 as 0, world_size="2" as 2)
     world_size = integer("shard_blocks: world_size", world_size, 1, SofxError)
     rank = integer("shard_blocks: rank", rank, 0, SofxError)

@@ -26,6 +26,7 @@ from sofx.errors import SofxError
 from sofx.kernels.user_numbers import is_bool, real_number
 from sofx.required import REQUIRED
 from sofx.transforms import _nonnegative_float
+from sofx.tree import article
 
 __all__ = ["SumsqReduce", "all_reduce_sumsq"]
 
@@ -205,8 +206,8 @@ def _settings_entries(settings: Mapping[str, Any] | None) -> dict[str, str]:
     if settings is None:
         return {}
     if not isinstance(settings, Mapping):
-        raise SofxError(f"all_reduce_sumsq: settings is a {type(settings).__name__}; expected a mapping of names "
-                        "to settings (sofx.serial.step_settings) or None")
+        raise SofxError(f"all_reduce_sumsq: settings is {article(type(settings).__name__)}; expected a mapping of "
+                        "names to settings (sofx.serial.step_settings) or None")
     out: dict[str, str] = {}
     for name, value in settings.items():
         if not isinstance(name, str):  # (str(1) is "1": {1: x} and {"1": x} had one digest, taken as agreeing)

@@ -97,8 +97,11 @@ def check_chunked(where: str, c: ChunkedCall, kind: type) -> None:
     (:func:`~sofx.kernels.base.refuse_traced`). Its scalars and memory: :func:`check_chunked_calls`; the dtypes
     a backend takes: the backend's."""
     if not isinstance(c, ChunkedCall) or not isinstance(c.call, kind):
-        raise LeafError(f"{where}: expected a ChunkedCall of a {kind.__name__}, got {type(c).__name__}"
-                        + (f" of a {type(c.call).__name__}" if isinstance(c, ChunkedCall) else ""))
+        def article(name: str) -> str:  # (sofx.tree.article's words: the kernels do not import sofx.tree)
+            return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
+
+        raise LeafError(f"{where}: expected a ChunkedCall of {article(kind.__name__)}, got {type(c).__name__}"
+                        + (f" of {article(type(c.call).__name__)}" if isinstance(c, ChunkedCall) else ""))
     call = c.call
     if not isinstance(c.packed, bool):
         raise LeafError(f"{where}: packed = {c.packed!r}; expected True or False")

@@ -138,6 +138,7 @@ from sofx.speculate import (
 )
 from sofx.stored_values import refuse_beyond
 from sofx.transforms import total_sumsq
+from sofx.tree import article
 from sofx.warn import caller_stacklevel
 
 __all__ = ["OffloadEngine", "EngineStepReport", "EXECUTORS", "STATE_FORMAT"]
@@ -2001,7 +2002,8 @@ class OffloadEngine:
         if not isinstance(value, torch.Tensor) or not value.is_floating_point() \
                 or tuple(value.shape) != tuple(target.shape):
             # (a tensor's dtype named: an int64 one of the right shape read "got Tensor (3, 5)")
-            got = _described(value) if isinstance(value, torch.Tensor) else f"a {type(value).__name__} {value!r:.60}"
+            got = _described(value) if isinstance(value, torch.Tensor) else \
+                f"{article(type(value).__name__)} {value!r:.60}"
             raise UnsupportedError(f"state[{key!r}] of parameter {index} must be a float tensor of shape "
                                    f"{tuple(target.shape)}, got {got}")
         check_nonnegative(value.detach(), key, where, UnsupportedError)

@@ -178,6 +178,7 @@ from sofx.offload.engine import PARAM_STATE_KEYS, EngineStepReport, OffloadEngin
 from sofx.offload.interrupts import without_grad
 from sofx.offload.shared_memory import DEFAULT_SHM_DIR
 from sofx.speculate import AdaptivePolicy, SpeculationConfig
+from sofx.tree import article
 from sofx.warn import caller_stacklevel
 
 __all__ = ["SpeculativeAdamW", "SpeculativeAdam", "resolve_loss_scale"]
@@ -226,7 +227,7 @@ def _check_custom_state(rule: Any) -> None:
     '_asdict'"; under ``ddp`` every step's replica check did)."""
     state = call_rule(rule, "init", where="loss_scale: ", after="the optimizer is not made")
     if not (isinstance(state, tuple) and hasattr(type(state), "_fields") and callable(getattr(state, "_asdict", None))):
-        raise HParamError(f"loss_scale: the rule's init() returned a {type(state).__name__}; the optimizer's "
+        raise HParamError(f"loss_scale: the rule's init() returned {article(type(state).__name__)}; the optimizer's "
                           "state_dict() saves the loss-scaler state's fields: expected a NamedTuple (as the states "
                           "of sofx.loss_scale's rules)")
 
@@ -241,7 +242,7 @@ def _check_losses(loss: Any, who: str, sequence: bool) -> None:
             name = "loss" if i is None else f"loss[{i}]"
             several = ("a tensor, or a list or tuple of tensors" if sequence else
                        "a tensor (several losses: torch.autograd.backward(opt.scale_loss([loss1, loss2])))")
-            raise StructureError(f"{who}: {name} is a {type(x).__name__}; expected {several}")
+            raise StructureError(f"{who}: {name} is {article(type(x).__name__)}; expected {several}")
 
 
 def _number(value: Any, what: str, field: str) -> float:
@@ -573,7 +574,7 @@ def _check_params_argument(params: Any) -> None:
     optimize Tensors, but one of the params is str" for a dict, whose keys it iterates, does not)."""
     takes = "pass model.parameters(), model.named_parameters() or a list of param-group dicts"
     if isinstance(params, torch.nn.Module) and not isinstance(params, torch.nn.ParameterList):  # (iterates them)
-        raise StructureError(f"params is a {type(params).__name__} (a module): {takes}")
+        raise StructureError(f"params is {article(type(params).__name__)} (a module): {takes}")
     if isinstance(params, Mapping):
         keys = ", ".join(repr(k) for k in list(params)[:2]) + (", ..." if len(params) > 2 else "")
         what = "one param group: a list of it, [group]" if "params" in params else \
@@ -642,7 +643,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
             group_hparams(group, f"param_groups[{i}]")
             check_group_flags(group, f"param_groups[{i}]", self._decoupled)
         if state_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise UnsupportedError(f"state_dtype={state_dtype!r} (a {type(state_dtype).__name__}); expected "
+            raise UnsupportedError(f"state_dtype={state_dtype!r} ({article(type(state_dtype).__name__)}); expected "
                                    "torch.float32, torch.bfloat16 or torch.float16 (a torch.dtype)")
         speculate = flag("speculate", speculate, UnsupportedError)  # (speculate="no" was taken as on)
         speculation = SpeculationConfig(max_norm=max_grad_norm, profile=profile, missing_grad=missing_grad,
@@ -759,7 +760,7 @@ class _SpeculativeBase(torch.optim.Optimizer):
         (``model.parameters()``), a single parameter (torch's step iterates its rows) or a set are refused."""
         params = group.get("params")
         if not isinstance(params, (list, tuple)):
-            found = "missing" if "params" not in group else f"a {type(params).__name__}"
+            found = "missing" if "params" not in group else article(type(params).__name__)
             raise UnsupportedError(f"param_groups[{i}]['params'] is {found}, not a list of the group's parameters: "
                                    "put back a list of the parameters it was made with (torch.optim's "
                                    "add_param_group makes it a list; a set's order changes between runs)")
@@ -820,8 +821,8 @@ class _SpeculativeBase(torch.optim.Optimizer):
         """
         self._refuse_grad_scaler()
         if closure is not None and not callable(closure):  # (Python's bare "'int' object is not callable")
-            raise TypeError(f"step(closure): closure is a {type(closure).__name__}, expected a callable (one that "
-                            "computes the loss and runs backward) or None")
+            raise TypeError(f"step(closure): closure is {article(type(closure).__name__)}, expected a callable (one "
+                            "that computes the loss and runs backward) or None")
         loss = None
         if closure is not None:
             with torch.enable_grad():

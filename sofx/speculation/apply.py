@@ -152,8 +152,8 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
     """
     check_opt(opt)
     if not isinstance(decision, BlockDecision):
-        raise SofxError(f"speculative_block_step: decision is a {type(decision).__name__}; expected the BlockDecision "
-                        "on_block_ready returned for the block")
+        raise SofxError(f"speculative_block_step: decision is {tree.article(type(decision).__name__)}; expected the "
+                        "BlockDecision on_block_ready returned for the block")
     speculate = decision.speculate
     if speculate is not True and speculate is not False:  # (one made by hand: "no" took the step)
         speculate = flag(f"speculative_block_step: block {decision.block}: decision.speculate", speculate, SofxError)
@@ -161,8 +161,8 @@ def speculative_block_step(opt: Adam, param: torch.Tensor, grad: torch.Tensor, s
         raise SofxError(f"block {decision.block} was not chosen for speculation ({decision.kind}: {decision.reason})")
     if ctx is not None:
         if not isinstance(ctx, StepContext):
-            raise SofxError(f"speculative_block_step: ctx is a {type(ctx).__name__}; expected the StepContext "
-                            "begin_step made for this step (ctx, tally = begin_step(...)), or None")
+            raise SofxError(f"speculative_block_step: ctx is {tree.article(type(ctx).__name__)}; expected the "
+                            "StepContext begin_step made for this step (ctx, tally = begin_step(...)), or None")
         made = decision.context_id
         if made and made != ctx.context_id:
             raise SofxError(f"speculative_block_step: block {decision.block}: the decision is of another step "
@@ -255,8 +255,8 @@ def apply_block_action(opt: Adam, action: BlockAction, param: torch.Tensor, grad
     """
     check_opt(opt)
     if not isinstance(action, BlockAction):
-        raise SofxError(f"apply_block_action: action is a {type(action).__name__}; expected one BlockAction of a "
-                        "ValidationPlan (plan.actions[i])")
+        raise SofxError(f"apply_block_action: action is {tree.article(type(action).__name__)}; expected one "
+                        "BlockAction of a ValidationPlan (plan.actions[i])")
     kind = action.kind
     whose = record.block if isinstance(record, UndoRecord) else None
     if whose is not None and whose != action.block:

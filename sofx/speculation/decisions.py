@@ -465,7 +465,7 @@ def begin_step(opt: Adam, config: SpeculationConfig, scaler: LossScaler, scaler_
     last_micro_step = flag("last_micro_step", fact_value(last_micro_step, "last_micro_step"))
     policy_state = config.policy.init() if policy_state is None else policy_state
     if type(policy_state) is not type(config.policy.init()):
-        raise HParamError(f"policy_state is a {type(policy_state).__name__}; the policy's state is a "
+        raise HParamError(f"policy_state is {tree.article(type(policy_state).__name__)}; the policy's state is a "
                           f"{type(config.policy.init()).__name__} (as config.policy.init() makes it)")
     policy_state = checked_policy_state(policy_state)
     hps = resolve_block_hparams(opt.defaults, hparams, n_blocks)
@@ -579,8 +579,8 @@ def _check_tally(what: str, ctx: Any, tally: Any) -> None:
     validated against a later step's context."""
     for name, x, kind in (("ctx", ctx, StepContext), ("tally", tally, BackwardTally)):
         if not isinstance(x, kind):
-            raise SofxError(f"{what}: {name} is a {type(x).__name__}; expected the {kind.__name__} begin_step made "
-                            "(ctx, tally = begin_step(...))")
+            raise SofxError(f"{what}: {name} is {tree.article(type(x).__name__)}; expected the {kind.__name__} "
+                            "begin_step made (ctx, tally = begin_step(...))")
     if (tally.context_id != ctx.context_id or len(tally.decisions) != ctx.n_blocks
             or len(tally.block_sumsq) != ctx.n_blocks):
         raise SofxError(f"{what}: the tally is not of this context's step: begin_step makes a context and its tally "

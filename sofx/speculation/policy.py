@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 from sofx.errors import HParamError
 from sofx.kernels.user_numbers import _described, fact_value, finite_number, flag, integer
+from sofx.tree import article
 
 __all__ = ["AdaptivePolicy", "PolicyState", "checked_policy_state"]
 
@@ -71,7 +72,7 @@ def _read_state(state: Any, where: str) -> PolicyState:
             and all(type(x) is bool for x in state.recent)):
         return state
     if not isinstance(state, PolicyState):
-        raise HParamError(f"{where}: state is a {type(state).__name__}; expected a PolicyState (as the policy's "
+        raise HParamError(f"{where}: state is {article(type(state).__name__)}; expected a PolicyState (as the policy's "
                           "init() makes it)")
     return checked_policy_state(state, f"{where}: state")
 

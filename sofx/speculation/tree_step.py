@@ -215,7 +215,7 @@ def _speculative_step(opt: Adam, params: Any, grads: Any, state: AdamState, *, c
                            else ""))
     order = [int(i) for i in order]
     if late_grads is not None and not isinstance(late_grads, Mapping):  # (a list went through dict())
-        raise SofxError(f"late_grads is a {type(late_grads).__name__}; expected a mapping "
+        raise SofxError(f"late_grads is {tree.article(type(late_grads).__name__)}; expected a mapping "
                         "{leaf index or path: tensor} (a further gradient for a leaf that already has one), or None")
     late: dict[int, tuple[Any, Any]] = {}  # leaf index -> (the key given, the further gradient)
     for key, extra in (late_grads or {}).items():
