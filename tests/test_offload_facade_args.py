@@ -386,6 +386,31 @@ def test_half_precision_hparams_are_refused_as_sofx_adam_refuses_them(kwargs, wh
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
 
 
+@pytest.mark.skipif(np.finfo(np.longdouble).eps == np.finfo(np.float64).eps, reason="longdouble is a double here")
+def test_a_longdouble_hparam_no_float_holds_is_refused_as_sofx_adam_refuses_it():
+    """A numpy longdouble lr or eps with more digits than a float (1/3 in x86's 80 bits; a LambdaLR's arithmetic in
+    it makes a group's lr one) was read by the facade as float() of it, rounded without a word, where sofx.adam's
+    update and the checkpoint imports refuse it. Refused naming the group's entry, at construction and at the next
+    step, nothing stepped; a longdouble a float holds exactly (0.5) is taken."""
+    model = _model()
+    third = np.longdouble(1) / np.longdouble(3)
+    why = r" is invalid: a numpy\.longdouble that no Python float \(a float64\) holds exactly"
+    with pytest.raises(sofx.HParamError, match=rf"^defaults\['lr'\] = .*{why}"):
+        sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", lr=third * 1e-3)
+    with pytest.raises(sofx.HParamError, match=rf"^param_groups\[0\]\['eps'\] = .*{why}"):
+        sofx.offload.SpeculativeAdamW([{"params": model.parameters(), "eps": third * 2 ** -26}], executor="inline")
+    _assert_left_working(model)
+    sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline", lr=np.longdouble(0.5)).close()
+    with sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline") as opt:
+        torch.optim.lr_scheduler.LambdaLR(opt, lambda t: third)
+        before = [p.detach().clone() for p in model.parameters()]
+        x, y = _batch(0)
+        with pytest.raises(sofx.HParamError, match=rf"^param_groups\[0\]\['lr'\] = .*{why}"):
+            opt.backward(((model(x) - y) ** 2).mean())
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+
+
 def test_a_lazy_modules_uninitialized_parameter_is_refused_at_construction_naming_it():
     """A model with a lazy module before its first forward: torch.optim.AdamW takes its UninitializedParameter (it
     fails at the step); the facade, which packs the parameters into blocks at construction, raised torch's

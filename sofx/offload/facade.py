@@ -169,6 +169,7 @@ import torch
 from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_eps_held_as_0,
                        refuse_half_precision, refused_torch_option, torch_betas, torch_non_flag)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
+from sofx.kernels.base import as_number, is_numpy_real
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import _described, finite_number, flag, is_bool, real_number
 from sofx.loss_scale import call_rule, deepspeed_scaler, grad_scaler, is_torch_grad_scaler, static_scale
@@ -252,10 +253,13 @@ def _number(value: Any, what: str, field: str) -> float:
     group's hparams in its no_grad step (grad mode is on at construction and in load_state_dict, where it read as
     traced). A float16 or bfloat16 lr, beta or weight decay (a LambdaLR whose lambda returns a numpy float16 makes
     the lr one), which torch.optim's for-loop step computes with in that precision, is refused as
-    :func:`sofx.adam` refuses it (it was read as the Python float it holds: another step than torch's)."""
+    :func:`sofx.adam` refuses it (it was read as the Python float it holds: another step than torch's), and so is a
+    numpy ``longdouble`` that no Python float holds exactly (:func:`~sofx.kernels.base.as_number`; it was rounded)."""
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value = value.detach()
     refuse_half_precision(field, value, "", label=what)
+    if is_numpy_real(value):  # (a longdouble no float holds exactly was rounded by float(): refused as update does)
+        value = as_number(value, what)
     if field == "eps":  # (np.float16(1e-8) holds 0: refused saying so, not as an eps of 0.0 the caller never wrote)
         refuse_eps_held_as_0(value, "", label=what)
     if callable(value):  # a sofx schedule (optax's learning_rate=schedule)
