@@ -258,10 +258,10 @@ def _number(value: Any, what: str, field: str) -> float:
     if isinstance(value, torch.Tensor) and value.requires_grad:
         value = value.detach()
     refuse_half_precision(field, value, "", label=what)
-    if is_numpy_real(value):  # (a longdouble no float holds exactly was rounded by float(): refused as update does)
-        value = as_number(value, what)
     if field == "eps":  # (np.float16(1e-8) holds 0: refused saying so, not as an eps of 0.0 the caller never wrote)
         refuse_eps_held_as_0(value, "", label=what)
+    if is_numpy_real(value):  # (a longdouble no float holds exactly was rounded by float(): refused as update does)
+        value = as_number(value, what)
     if callable(value):  # a sofx schedule (optax's learning_rate=schedule)
         raise HParamError(f"{what} is a schedule ({type(value).__name__}), where the offload optimizer takes a "
                           "number: its lr follows a torch.optim.lr_scheduler; for a sofx schedule, lr=1.0 and "
