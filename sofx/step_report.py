@@ -39,8 +39,9 @@ the updated one; ``nan``: not known, a report made by hand),
 (``not_speculating_reason`` says why not: disabled, not the last micro-step,
 the adaptive policy, or a step no speculative block could stand: hparams a
 block refuses, a loss scale that cannot unscale, ``max_norm=0``, a loss-scale rule that cannot predict the scale of a
-clean step; in the offload engine, every block ready during backward held from speculating: kept on the device, or
-under ``ddp`` before the ranks' exchange). ``policy_paused``/``policy_reason``: the adaptive
+clean step; in the offload engine, every block ready during backward held from speculating: kept on the device,
+under ``ddp`` before the ranks' exchange, or one whose step ``step()`` refuses: a count at int64's largest, a step size
+``lr / (1 - beta1**t)`` beyond float32). ``policy_paused``/``policy_reason``: the adaptive
 policy's state *after* this step ("paused: clipping fired on 5 of the last 8
 steps ...", "resumed: ..."; a disabled policy never pauses: ``False`` and ``""``,
 whatever state it was given and carries). ``veto_reason``: why speculation was vetoed

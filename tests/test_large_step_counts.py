@@ -4,6 +4,8 @@ to int64's largest, stepped, undone and redone as at small counts (DESIGN.md "Nu
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -385,3 +387,42 @@ def test_the_offload_report_of_an_overflow_step_counts_no_block_at_int64_max_as_
     assert report.overflow and report.skipped and report.actions == ("skip", "skip")
     assert report.ineligible == 0 and ("ready", 1) not in report.events, report
     assert int(opt.state[last]["step"]) == INT64_MAX
+
+
+@pytest.mark.parametrize("executor", ["inline", "thread"])
+def test_the_offload_report_of_an_overflow_step_counts_no_block_with_a_step_size_beyond_float32_as_ineligible(
+        executor):
+    """A block whose step size ``lr / (1 - beta1**t)`` at its count is beyond float32 (its step is refused in
+    step(), naming the parameter, as a count at int64's largest is) is not speculated; on a step that overflows
+    (skipped, a report returned) the report counted it ``ineligible``, which says its step could not be undone
+    within the snapshot budget, and said nowhere why. It is held from speculating, as a block at int64's largest:
+    not counted ineligible, no "ready" event, the report saying that no block was speculated and why, in step()'s
+    words."""
+    import sofx.offload
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    with sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, betas=(1 - 2 ** -53, 0.999), executor=executor,
+                                       block_numel=40) as opt:
+        assert len(opt.engine.layouts) == 2
+        opt.backward(model(torch.randn(2, 4)).square().mean())
+        opt.step()
+        opt.zero_grad()
+        opt.param_groups[0]["lr"] = 1e30  # (lr / (1 - beta1**2) = 4.5e45)
+        hook = model[0].weight.register_hook(lambda g: g * float("inf"))  # (the step overflows)
+        opt.backward(model(torch.randn(2, 4)).square().mean())
+        report = opt.step()
+        opt.zero_grad()
+        hook.remove()
+        assert report.overflow and report.skipped and report.actions == ("skip", "skip")
+        assert report.ineligible == 0 and not any(kind == "ready" for kind, _ in report.events), report
+        assert not report.speculating
+        assert re.search(r"^every block was held from speculating: step\(\) refuses its step with these hparams: "
+                         r"hparams for parameter \d = param_groups\[0\]\['params'\]\[\d\]: lr / \(1 - beta1\*\*t\) = "
+                         r"4\.5\d*e\+45 at step t = 2 is beyond float32's range", report.not_speculating_reason), \
+            report.not_speculating_reason
+        opt.backward(model(torch.randn(2, 4)).square().mean())
+        with pytest.raises(sofx.HParamError, match=r"hparams for parameter \d = param_groups\[0\]\['params'\]\[\d\]: "
+                                                   r"lr / \(1 - beta1\*\*t\) = 4\.5\d*e\+45 at step t = 2 is beyond"):
+            opt.step()
+        opt.zero_grad()

@@ -122,7 +122,6 @@ from sofx.offload.thread_executor import ThreadExecutor
 from sofx.speculate import (
     BackwardTally,
     BlockAction,
-    Eligibility,
     PolicyState,
     SpeculationConfig,
     StepContext,
@@ -1012,26 +1011,36 @@ class OffloadEngine:
 
     def _held_from_speculating(self, b: int, present: Sequence[bool]) -> str:
         """Why block ``b``, ready during backward, is not offered for speculation (stepped in ``step()``), else "":
-        it is kept on the device, a parameter it steps (``present``) has a count at int64's largest (``step()``
+        it is kept on the device, a parameter it steps (``present``) has a count at int64's largest or, in a step
+        that speculates, a step size ``lr / (1 - beta1**t)`` beyond float32 with the step's hparams (``step()``
         refuses its step, :meth:`_check_stepped_counts`: not "ineligible", which says its step could not be undone),
         or under ``ddp`` the ranks have not decided yet whether to compare their states (no synchronized backward
-        yet), compare them now, or found them different (``step()`` raises)."""
+        yet), compare them now, or found them different (``step()`` raises). Begins the step (:meth:`_begin`) where
+        it gets to the step size."""
         if self.layouts[b].on_device:
             return "kept on the device (n_device_blocks): a block there is stepped in step(), not speculated"
-        full = self._count_at_max(b, self.tensors[b].counts.tolist(), present)
+        counts = self.tensors[b].counts.tolist()
+        full = self._count_at_max(b, counts, present)
         if full is not None:
             return (f"{full}: its step count is at int64's largest, {COUNT_MAX}: the next step's count cannot be "
                     "stored, and step() refuses the step")
         watch = self._replicas
-        if watch is None or not watch.holds_speculation:
+        if watch is not None and watch.holds_speculation:
+            if watch.error is not None:
+                return "the ranks' optimizer states differ (step() raises): no block is speculated"
+            if watch.decision is None:
+                return ("under ddp no block is speculated before the ranks decide, at a synchronized backward, "
+                        "whether to compare their optimizer states (its gradient came before one: from a backward "
+                        "under no_sync(), or of a parameter DDP does not average)")
+            return "under ddp no block is speculated while the ranks compare their optimizer states"
+        self._begin()
+        if not self._ctx.speculating:  # (no block's eligibility is asked: its step size is checked in step())
             return ""
-        if watch.error is not None:
-            return "the ranks' optimizer states differ (step() raises): no block is speculated"
-        if watch.decision is None:
-            return ("under ddp no block is speculated before the ranks decide, at a synchronized backward, whether "
-                    "to compare their optimizer states (its gradient came before one: from a backward under "
-                    "no_sync(), or of a parameter DDP does not average)")
-        return "under ddp no block is speculated while the ranks compare their optimizer states"
+        try:
+            self._check_step_sizes(b, counts, present, self._ctx.hparams[b])
+        except HParamError as exc:
+            return f"step() refuses its step with these hparams: {exc}"
+        return ""
 
     def _held_report(self, report: StepReport) -> StepReport:
         """``report``, saying that the step did not speculate and why (:meth:`_held_from_speculating`), where it
@@ -1125,11 +1134,8 @@ class OffloadEngine:
         """
         ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
         hp = ctx.hparams[b]
-        counts = t.counts.tolist()  # (none at int64's largest: such a block is held, _held_from_speculating)
-        try:  # (its step is refused: validation names it, before anything is stepped)
-            self._check_step_sizes(b, counts, present, hp)
-        except HParamError as exc:
-            return Eligibility(False, None, str(exc), 0)
+        # (none at int64's largest nor with a step size beyond float32: such a block is held, _held_from_speculating)
+        counts = t.counts.tolist()
         key = (flat, present, tuple(None if x is None else float(x) for x in hp), float(ctx.grad_scale),
                None if grads is None else tuple(None if g is None else g.dtype for g in grads),
                tuple(c == 0 for c in counts))
@@ -1469,8 +1475,8 @@ class OffloadEngine:
         largest (it would wrap to -2^63), an :class:`~sofx.errors.HParamError` where the step's size ``lr / (1 -
         beta1**t)`` is beyond float32 (:meth:`_check_step_sizes`); each naming the parameter. The block's step raised
         in the executor, the blocks before it stepped, and the engine stopped for good. Such a block is never
-        speculated (held, :meth:`_held_from_speculating`; ineligible, :meth:`_eligibility`); an undo+redo redoes a
-        speculative step at the count it reached (that count may be the largest)."""
+        speculated (held, :meth:`_held_from_speculating`); an undo+redo redoes a speculative step at the count it
+        reached (that count may be the largest), with the hparams of step() (they may have changed since)."""
         for action in actions:
             if action.kind not in ("step", "undo_redo"):
                 continue
