@@ -570,18 +570,14 @@ def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_clos
     assert model[0].weight.grad is not None, "no hook takes the gradients"
 
 
-@pytest.mark.usefixtures("terminal_sigint")
-def test_a_second_ctrl_c_before_a_deferred_close_is_carried_out_at_the_next_call(monkeypatch):
-    """A close() called inside step() on its thread (a signal handler's) is deferred to the end of step(); a second
-    Ctrl-C in step()'s guard before that close (the first still held back) dropped it: the optimizer stayed open,
-    its worker running and the gate installed, and the next calls were told the engine "failed earlier" (close() it).
-    The close asked for is carried out at the next call, which is refused as closed, saying so."""
-    import signal
-
+def _a_deferred_close_dropped_in_step(monkeypatch: pytest.MonkeyPatch, at: str) -> tuple:
+    """A model and its optimizer (thread executor) whose ``step()`` was asked to close by a close() called inside it
+    on its thread (a signal handler's, deferred to the end of step()), and where a second Ctrl-C (the first still
+    held back) broke into step()'s guard as it ended, at its first call of ``OffloadEngine.at``, before that close:
+    the close is dropped, the optimizer still open."""
     import torch
 
     import sofx.offload
-    from sofx.errors import SofxError
     from sofx.offload import engine
 
     torch.manual_seed(0)
@@ -596,15 +592,60 @@ def test_a_second_ctrl_c_before_a_deferred_close_is_carried_out_at_the_next_call
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(engine.OffloadEngine, "_publish_to_model", closed_inside)
-    _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, "_note_break")  # (as step()'s guard ends)
+    _ctrl_c_twice_at(monkeypatch, engine.OffloadEngine, at)
     with pytest.raises(KeyboardInterrupt):
         opt.step()
+    assert not opt.engine._closed
+    return model, opt
+
+
+def _closed_for_good(model, opt) -> None:
+    """The optimizer is closed: its worker thread stopped, the gate removed, no hook takes the gradients."""
+    import signal
+
+    import torch
+
+    assert opt.engine._closed and opt.engine.executor._ended.wait(30), "the worker thread stopped"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
+    model(torch.randn(2, 8)).sum().backward()
+    assert model[0].weight.grad is not None, "no hook takes the gradients"
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_a_second_ctrl_c_before_a_deferred_close_is_carried_out_at_the_next_call(monkeypatch):
+    """A close() called inside step() on its thread (a signal handler's) is deferred to the end of step(); a second
+    Ctrl-C in step()'s guard before that close (the first still held back) dropped it: the optimizer stayed open,
+    its worker running and the gate installed, and the next calls were told the engine "failed earlier" (close() it).
+    The close asked for is carried out at the next call, which is refused as closed, saying so."""
+    from sofx.errors import SofxError
+
+    model, opt = _a_deferred_close_dropped_in_step(monkeypatch, "_note_break")  # (as step()'s guard ends)
     with pytest.raises(SofxError, match=r"^the optimizer is closed \(the close\(\) called inside step\(\) on "
                                         r"its thread.*a second Ctrl-C broke into it there, and this call did"):
         opt.zero_grad()
     with pytest.raises(SofxError, match=r"^the optimizer is closed$"):
         opt.step()
-    assert opt.engine._closed and opt.engine.executor._ended.wait(30), "the worker thread stopped"
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
-    model(torch.randn(2, 8)).sum().backward()
-    assert model[0].weight.grad is not None, "no hook takes the gradients"
+    _closed_for_good(model, opt)
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_a_deferred_close_a_second_ctrl_c_dropped_is_carried_out_before_the_next_backward_takes_a_gradient(
+        monkeypatch):
+    """The close a second Ctrl-C dropped (as above; here the interrupt came as the close began, after step() had
+    noted its breaks: the optimizer did not fail) was carried out at the end of the first gradient hook of the next
+    backward, after that hook had taken its gradient: the optimizer was closed between backward and step(), its
+    state (whole after the step the close was called in) refused for good. It is carried out as that hook begins:
+    no gradient taken (they stay in .grad), the state readable and whole."""
+    import torch
+
+    model, opt = _a_deferred_close_dropped_in_step(monkeypatch, "_close")
+    weights = [p.detach().clone() for p in model.parameters()]
+    opt.backward(model(torch.randn(4, 8)).square().mean())
+    assert opt.engine._closed
+    assert all(p.grad is not None for p in model.parameters()), "no gradient was taken"
+    state = opt.state_dict()
+    assert state["state"]["complete"] is True
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1, 1, 1, 1]
+    assert all(torch.equal(w, p.detach()) and torch.equal(opt.state[p]["master"], w)
+               for w, p in zip(weights, model.parameters()))
+    _closed_for_good(model, opt)

@@ -304,8 +304,8 @@ class OffloadEngine:
         self._call_what: str | None = None  # the call holding _call_lock (for the exit's warning)
         self._closing = False  # close() waits for another thread's call or hook to end
         # The call a close() was called inside on its thread (a signal handler's), deferred to that call's end; ""
-        # none. One a second Ctrl-C kept from being carried out there is carried out by the next call
-        # (_deferred_close_dropped).
+        # none. One a second Ctrl-C kept from being carried out there is carried out by the next call or gradient
+        # hook (_deferred_close_dropped).
         self._close_pending = ""
         self._turn_cond = threading.Condition()  # orders the decisions taken in the executor
         self._tickets = self._turn = 0
@@ -729,7 +729,12 @@ class OffloadEngine:
         """Run ``take(index, tensor)``, a gradient hook's work, holding the hook lock and Ctrl-C back (it waits until
         the gradient is taken and its block sent), unless the engine was closed by another thread meanwhile
         (:meth:`close` waits for a hook that runs); a :meth:`close` called inside it on this thread (a signal
-        handler) is carried out as it ends."""
+        handler) is carried out as it ends. A close deferred to a call that a second Ctrl-C kept from doing it
+        (:meth:`_deferred_close_dropped`) is carried out before anything is taken: the gradient stays where it is,
+        as for a closed engine (done at the end, the hook's gradient taken, it closed the engine between backward
+        and ``step()``: the state, whole until then, refused for good)."""
+        if self._close_pending and self._deferred_close_dropped():
+            return
         with self._hook_lock, self._interrupts:
             gate, since = self._interrupts, section_breaks(self._interrupts)
             if self._closed or self._forked_message() is not None:  # (a forked child: the gradient stays in .grad)
@@ -2044,7 +2049,8 @@ class OffloadEngine:
         waited for (it completes whole; such calls made meanwhile are refused). Called inside one of them
         on the same thread -- a signal handler, which Python runs in the main thread between any two bytecodes,
         also inside ``step()`` -- it cannot wait for it: the close is done as that call ends (where a second Ctrl-C
-        breaks into that call as it ends, before the close, the next call does it, and is refused as closed)."""
+        breaks into that call as it ends, before the close, the next call does it, and is refused as closed; or the
+        next gradient hook, which then takes nothing)."""
         if self._closed and not self._close_unfinished:
             return
         me = threading.get_ident()
