@@ -570,8 +570,8 @@ def test_a_second_ctrl_c_as_close_removes_the_hooks_is_finished_by_the_next_clos
     assert model[0].weight.grad is not None, "no hook takes the gradients"
 
 
-def _a_deferred_close_dropped_in_step(monkeypatch: pytest.MonkeyPatch, at: str) -> tuple:
-    """A model and its optimizer (thread executor) whose ``step()`` was asked to close by a close() called inside it
+def _a_deferred_close_dropped_in_step(monkeypatch: pytest.MonkeyPatch, at: str, executor: str = "thread") -> tuple:
+    """A model and its optimizer (``executor``) whose ``step()`` was asked to close by a close() called inside it
     on its thread (a signal handler's, deferred to the end of step()), and where a second Ctrl-C (the first still
     held back) broke into step()'s guard as it ended, at its first call of ``OffloadEngine.at``, before that close:
     the close is dropped, the optimizer still open."""
@@ -582,7 +582,7 @@ def _a_deferred_close_dropped_in_step(monkeypatch: pytest.MonkeyPatch, at: str) 
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
-    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread", block_numel=50)
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor=executor, block_numel=50)
     opt.backward(model(torch.randn(4, 8)).square().mean())
     original = engine.OffloadEngine._publish_to_model
 
@@ -600,12 +600,18 @@ def _a_deferred_close_dropped_in_step(monkeypatch: pytest.MonkeyPatch, at: str) 
 
 
 def _closed_for_good(model, opt) -> None:
-    """The optimizer is closed: its worker thread stopped, the gate removed, no hook takes the gradients."""
+    """The optimizer is closed: its worker (thread or process) stopped, the gate removed, no hook takes the
+    gradients."""
     import signal
 
     import torch
 
-    assert opt.engine._closed and opt.engine.executor._ended.wait(30), "the worker thread stopped"
+    executor = opt.engine.executor
+    assert opt.engine._closed
+    if opt.executor == "process":
+        assert executor.process.poll() is not None, "the worker process stopped"
+    else:
+        assert executor._ended.wait(30), "the worker thread stopped"
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
     model(torch.randn(2, 8)).sum().backward()
     assert model[0].weight.grad is not None, "no hook takes the gradients"
@@ -648,4 +654,28 @@ def test_a_deferred_close_a_second_ctrl_c_dropped_is_carried_out_before_the_next
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1, 1, 1, 1]
     assert all(torch.equal(w, p.detach()) and torch.equal(opt.state[p]["master"], w)
                for w, p in zip(weights, model.parameters()))
+    _closed_for_good(model, opt)
+
+
+@pytest.mark.parametrize("call", ["opt.state", "state_dict"])
+@pytest.mark.usefixtures("terminal_sigint")
+def test_a_read_of_the_state_that_carries_out_a_dropped_deferred_close_returns_the_state_the_closed_optimizer_keeps(
+        monkeypatch, call):
+    """The close a second Ctrl-C dropped (as above) was carried out by opt.state[p] and state_dict() as they ended,
+    after they had read the open optimizer: with the process executor the live views they returned were of the
+    shared memory the close then copied the state out of, so a change through them (``zero_()``) was not the
+    state's (opt.state[p]'s promise), nor were they the tensors a later read returns. They carry it out first."""
+    import torch
+
+    model, opt = _a_deferred_close_dropped_in_step(monkeypatch, "_close", executor="process")
+    p = model[0].weight
+    if call == "opt.state":
+        opt.state[p]["exp_avg"].zero_()
+        assert opt.engine._closed
+        assert bool((opt.state[p]["exp_avg"] == 0).all()), "a change through the view is the state's"
+    else:
+        blocks = opt.engine.state_dict()["blocks"]
+        assert opt.engine._closed
+        assert all(a[k] is getattr(opt.engine.tensors[b], k) for b, a in enumerate(blocks) for k in a)
+    assert int(opt.state[p]["step"]) == 1
     _closed_for_good(model, opt)

@@ -1777,7 +1777,12 @@ class OffloadEngine:
         counted two; a wait() took a step's results), and :meth:`close` waits for it. ``closed_ok``: ``what`` is
         allowed on a closed engine (a read of the state it keeps). Ctrl-C is held back (sofx.offload.interrupts)
         from before the lock is taken: raised between taking it and the ``try`` that releases it, it kept the lock
-        for good (every later call refused)."""
+        for good (every later call refused). A read allowed on a closed engine carries out a close a second Ctrl-C
+        dropped (:meth:`_deferred_close_dropped`; the other calls do in :meth:`_check_usable`) first: done as it
+        ends, the process executor's live views it returned were of the shared memory the close copies the state
+        out of."""
+        if closed_ok and self._close_pending:
+            self._deferred_close_dropped()
         with self._interrupts:
             gate, since = self._interrupts, section_breaks(self._interrupts)
             if not self._call_lock.acquire(blocking=False):
