@@ -991,7 +991,10 @@ class OffloadEngine:
         present = self._stepped(b, arrived)
         if not during_backward:
             return  # stepped in step(), not speculated (its sum of squares is taken there)
-        held = self._held_from_speculating(b, present)
+        # (read once, under the GIL during backward: the held checks and the eligibility's memo key; the block is not
+        # stepped before its decision, so they stay its counts)
+        counts = None if layout.on_device else t.counts.tolist()
+        held = self._held_from_speculating(b, present, counts)
         if held:
             self._held[b] = held  # (likewise; the report says why, where no block of the step was speculated)
             return
@@ -1004,27 +1007,27 @@ class OffloadEngine:
             ticket = self._tickets
             self._tickets += 1
             self.executor.submit(BlockOp(next(self._seq), "ready", b,
-                                         lambda: self._decide_in_turn(ticket, b, present, grads, publish),
+                                         lambda: self._decide_in_turn(ticket, b, present, grads, publish, counts),
                                          present, grads, publish, grads_finite=True))
             return
-        decision = self._decide(b, present, grads, publish, mark=False)
+        decision = self._decide(b, present, grads, publish, counts, mark=False)
         if decision is not None:
             self.executor.submit(BlockOp(next(self._seq), "speculate", b, decision, present, grads, publish,
                                          grads_finite=True))
             self._mark_speculated(b, publish)  # after the submission (an interrupt between would leave a
             # block marked whose step was never sent, and zero_grad() would ask the worker to undo it)
 
-    def _held_from_speculating(self, b: int, present: Sequence[bool]) -> str:
+    def _held_from_speculating(self, b: int, present: Sequence[bool], counts: Sequence[int] | None) -> str:
         """Why block ``b``, ready during backward, is not offered for speculation (stepped in ``step()``), else "":
-        it is kept on the device, a parameter it steps (``present``) has a count at int64's largest or, in a step
+        it is kept on the device (``counts`` None: they are not read there), a parameter it steps (``present``; its
+        step count in ``counts``) has a count at int64's largest or, in a step
         that speculates, a step size ``lr / (1 - beta1**t)`` beyond float32 with the step's hparams (``step()``
         refuses its step, :meth:`_check_stepped_counts`: not "ineligible", which says its step could not be undone),
         or under ``ddp`` the ranks have not decided yet whether to compare their states (no synchronized backward
         yet), compare them now, or found them different (``step()`` raises). Begins the step (:meth:`_begin`) where
         it gets to the step size."""
-        if self.layouts[b].on_device:
+        if counts is None:
             return "kept on the device (n_device_blocks): a block there is stepped in step(), not speculated"
-        counts = self.tensors[b].counts.tolist()
         full = self._count_at_max(b, counts, present)
         if full is not None:
             return (f"{full}: its step count is at int64's largest, {COUNT_MAX}: the next step's count cannot be "
@@ -1088,8 +1091,9 @@ class OffloadEngine:
                 self._turn_cond.notify_all()
 
     def _decide(self, b: int, present: tuple[bool, ...], grads: tuple[torch.Tensor, ...] | None,
-                publish: tuple[int, ...] | None, mark: bool = True) -> Any:
-        """Ask the speculation layer about ready block ``b``; its decision if it speculates, else None.
+                publish: tuple[int, ...] | None, counts: Sequence[int], mark: bool = True) -> Any:
+        """Ask the speculation layer about ready block ``b`` (``counts``: its step counts, as it was ready); its
+        decision if it speculates, else None.
 
         Runs on the main thread (process executor) or in the executor, in arrival order (in-process
         executors: nothing else touches the tally during backward). ``mark=False``: the caller marks the block
@@ -1102,7 +1106,7 @@ class OffloadEngine:
         self._tally, decision = on_block_ready(
             ctx, self._tally, b, self._block_sumsq(b),
             # Asked only when the sum of squares is finite, i.e. every gradient element is.
-            lambda: self._eligibility(b, flat, present, grads))
+            lambda: self._eligibility(b, flat, present, grads, counts))
         if not decision.speculate:
             return None
         if mark:
@@ -1125,9 +1129,11 @@ class OffloadEngine:
         self._published[b] = publish
         self._events.append(("speculate", b))
 
-    def _eligibility(self, b: int, flat: bool, present: tuple[bool, ...],
-                     grads: tuple[torch.Tensor, ...] | None) -> Any:
-        """Block ``b``'s eligibility for a speculative step, its gradients known to be finite.
+    def _eligibility(self, b: int, flat: bool, present: tuple[bool, ...], grads: tuple[torch.Tensor, ...] | None,
+                     counts: Sequence[int]) -> Any:
+        """Block ``b``'s eligibility for a speculative step, its gradients known to be finite (``counts``: its step
+        counts, none at int64's largest nor with a step size beyond float32: such a block is held,
+        :meth:`_held_from_speculating`).
 
         With finite gradients the undo strategy depends only on the hparams, the grad scale, the
         layout, the dtypes and which parameters take their first step (L2 decay keeps the parameter
@@ -1139,11 +1145,10 @@ class OffloadEngine:
         """
         ctx, layout, t = self._ctx, self.layouts[b], self.tensors[b]
         hp = ctx.hparams[b]
-        # (none at int64's largest nor with a step size beyond float32: such a block is held, _held_from_speculating)
-        counts = t.counts.tolist()
+        # (which parameters take their first step: their slots, () for none, found by a scan at C speed)
+        firsts = tuple(i for i, c in enumerate(counts) if c == 0) if 0 in counts else ()
         key = (flat, present, tuple(None if x is None else float(x) for x in hp), float(ctx.grad_scale),
-               None if grads is None else tuple(None if g is None else g.dtype for g in grads),
-               tuple(c == 0 for c in counts))
+               None if grads is None else tuple(None if g is None else g.dtype for g in grads), firsts)
         memo = self._eligibility_memo[b]
         if memo is not None and memo[0] == key and not self.adam.strategy_reads_params(hp.weight_decay):
             el = memo[1]
@@ -1452,6 +1457,8 @@ class OffloadEngine:
         """The first parameter of block ``b`` (``counts``: its parameters' step counts) that the step steps
         (``present``) and whose count is int64's largest (:data:`~sofx.adam.COUNT_MAX`), named as the engine's errors
         name parameters, with its count; else None."""
+        if COUNT_MAX not in counts:  # (an int64 count is at most COUNT_MAX; a scan at C speed, mostly all there is)
+            return None
         layout = self.layouts[b]
         for index, c, stepped in zip(layout.param_indices, counts, present):
             if stepped and c >= COUNT_MAX:
@@ -1467,12 +1474,17 @@ class OffloadEngine:
         if not self.adam.variant.bias_correction:
             return
         layout = self.layouts[b]
-        seen: set[int] = set()  # (the parameters of a block share a count, mostly: each checked once)
-        for index, c, stepped in zip(layout.param_indices, counts, present):
-            if stepped and c not in seen:
-                seen.add(c)
-                check_step_size(f"parameter {index} = {param_path(self._group_starts, layout.group, index)}", hp,
-                                c - 1 if redo else c, torch.float32)
+        every = all(present)
+        stepped = counts if every else [c for c, s in zip(counts, present) if s]
+        # Each count once (the parameters of a block share a count, mostly: told at C speed), in the order the
+        # parameters first take it: the first refused names the first parameter refused.
+        shared = stepped and stepped.count(stepped[0]) == len(stepped)
+        for c in stepped[:1] if shared else dict.fromkeys(stepped):
+            slot = counts.index(c) if every else next(i for i, (x, s) in enumerate(zip(counts, present))
+                                                      if s and x == c)
+            index = layout.param_indices[slot]
+            check_step_size(f"parameter {index} = {param_path(self._group_starts, layout.group, index)}", hp,
+                            c - 1 if redo else c, torch.float32)
 
     def _check_stepped_counts(self, actions: Sequence[BlockAction], presents: Sequence[tuple[bool, ...]]) -> None:
         """Refuse, before anything is applied, a step (or an undo+redo's redo) of a parameter that
