@@ -1120,6 +1120,22 @@ def test_a_like_whose_groups_do_not_match_the_export_is_refused_naming_them():
         ck.to_torch_optim(opt, state, like="AdamW")
 
 
+@pytest.mark.parametrize("group", [{"params": 5}, {"params": "ab"}, {"lr": 1e-3}], ids=["int", "str", "none"])
+def test_a_like_group_without_a_params_list_is_refused_naming_it(group):
+    """A ``like`` group whose ``params`` is no list (an int, a str) or that has none was taken and its entries kept,
+    its size never checked against the export's group (torch's load_state_dict would refuse that state dict, or
+    none of it matches the optimizer it is for). Refused naming the group, as from_torch_optim refuses such a group
+    of its state dict; nothing exported."""
+    opt = sofx.adamw()
+    params = {"a": torch.randn(2), "b": torch.randn(3)}
+    state = opt.init(params)
+    for like in ([group], {"state": {}, "param_groups": [group]}):
+        with pytest.raises(ck.CheckpointError, match=r"^to_torch_optim: like's param_groups\[0\] has no 'params' "
+                                                     r"list \((got|it has no 'params')"):
+            ck.to_torch_optim(opt, state, like=like)
+    ck.to_torch_optim(opt, state, like=[{"params": (0, 1), "foreach": None}])
+
+
 def test_an_older_state_dict_without_decoupled_weight_decay_says_which_decay_it_imports_as():
     """torch.optim before ``decoupled_weight_decay`` wrote the same group keys for Adam and AdamW: such a state
     dict imported into ``sofx.adam()`` or ``sofx.adamw()`` alike, the other decay taken without a word where its

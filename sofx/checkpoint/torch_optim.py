@@ -222,7 +222,8 @@ def _refuse_decoupling_like(opt: Adam, like: Any, resolved: list[ParamGroup]) ->
 def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
     """The entries of ``like``'s param groups (a torch optimizer, its ``state_dict()`` or its ``param_groups``) that
     the exported groups keep (all but :data:`_EXPORTED_KEYS`; deep copies), one dict per group; ``sizes``: the
-    number of parameters of each exported group, which ``like``'s must match. ``None``: nothing kept."""
+    number of parameters of each exported group, which ``like``'s must match (a group without a ``params`` list is
+    refused naming it). ``None``: nothing kept."""
     if like is None:
         return [{} for _ in sizes]
     if isinstance(like, torch.optim.Optimizer):
@@ -244,7 +245,12 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
         raise CheckpointMismatchError(f"to_torch_optim: like has {len(found)} param groups, the export {len(sizes)}")
     for gi, (group, size) in enumerate(zip(found, sizes)):
         members = group.get("params")
-        if isinstance(members, (list, tuple)) and len(members) != size:
+        if not isinstance(members, (list, tuple)):  # (as from_torch_optim refuses such a group of its state dict)
+            got = f"got {tree.article(type(members).__name__)}: {members!r:.60}" if "params" in group \
+                else "it has no 'params'"
+            raise CheckpointError(f"to_torch_optim: like's param_groups[{gi}] has no 'params' list ({got}): "
+                                  "expected the parameters (or their ids) of the torch optimizer's group")
+        if len(members) != size:
             raise CheckpointMismatchError(f"to_torch_optim: like's param_groups[{gi}] has {len(members)} parameters, "
                                           f"the export's {size} (torch's load_state_dict refuses groups of other "
                                           "sizes)")
