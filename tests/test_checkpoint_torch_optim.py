@@ -837,6 +837,28 @@ def test_a_saved_option_that_is_no_flag_is_refused_naming_it(key, value):
     ck.from_torch_optim(sofx.adamw(), sd, params)
 
 
+@pytest.mark.parametrize("key", ["foreach", "fused", "capturable", "differentiable"])
+@pytest.mark.parametrize("value", ["False", 0.0, torch.tensor([0, 0])], ids=["str", "float", "tensor"])
+def test_a_saved_implementation_option_that_is_no_flag_is_refused_naming_it(key, value):
+    """A group's foreach, fused, capturable or differentiable that is no flag (the str "False", true to torch's
+    ``if group[...]:``; 0.0; a tensor of two elements) was imported without a word, and a round trip through
+    ``to_torch_optim(like=...)`` handed it on to torch; sofx.adam and the offload facade refuse such a value
+    (sofx.adam.torch_non_flag). Refused as amsgrad is, naming the entry and the value; None (torch picks) is taken
+    but for differentiable, which torch's step hands to torch.set_grad_enabled (a bool only, not 1 or None)."""
+    params, sd = _adamw_state_dict()
+    sd["param_groups"][0][key] = value
+    with pytest.raises(ck.CheckpointError, match=rf"^from_torch_optim: param_groups\[0\]\['{key}'\]: expected True "
+                                                 rf"or False, got {re.escape(repr(value)[:20])}"):
+        ck.from_torch_optim(sofx.adamw(), sd, params)
+    for ok in (False, np.bool_(True), 1, None):
+        sd["param_groups"][0][key] = ok
+        if key == "differentiable" and type(ok) is not bool and not isinstance(ok, np.bool_):
+            with pytest.raises(ck.CheckpointError, match=rf"\['differentiable'\]: expected True or False, got {ok}"):
+                ck.from_torch_optim(sofx.adamw(), sd, params)
+        else:
+            ck.from_torch_optim(sofx.adamw(), sd, params)
+
+
 def test_a_saved_hparam_tensor_that_requires_grad_imports_as_its_number():
     """A saved lr held as a tensor that requires grad (torch.optim's ``differentiable=True`` with a tensor lr, a
     learned lr) is read as its number, as float() took it before the number checks; they refused it as "not a

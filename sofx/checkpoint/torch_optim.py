@@ -40,7 +40,7 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option
+from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option, torch_non_flag
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import (ParamGroup, check_float32_groups, check_params_template, hparams_tree,
                                     is_saved_flag, refuse_uninitialized, resolve_groups, saved_hparams)
@@ -332,17 +332,19 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
     (:func:`_other_torch_optimizer`), torch's options that change the math (:func:`sofx.adam.refused_torch_option`,
     the rule sofx.adam/adamw and the offload facade refuse by), bias correction turned off (``bias_correction``,
     ``correct_bias``: torch-style state dicts of DeepSpeed's and Hugging Face's Adam) and a
-    ``decoupled_weight_decay`` other than ``opt``'s; each of these options that is no flag (:func:`is_saved_flag`) is a
-    :class:`CheckpointError` naming it."""
+    ``decoupled_weight_decay`` other than ``opt``'s; each of these options, and each of torch's other on/off options
+    (``foreach``, ``fused``, ``capturable``, ``differentiable``), that is no flag (:func:`is_saved_flag`,
+    :func:`sofx.adam.torch_non_flag`) is a :class:`CheckpointError` naming it."""
     other = _other_torch_optimizer(group)
     if other is not None:
         raise CheckpointMismatchError(f"from_torch_optim: param_groups[{gi}]: {other}: not a torch.optim.Adam or AdamW "
                                       "state dict (their moments and steps are another algorithm's)")
-    for key in ("amsgrad", "maximize", "decoupled_weight_decay"):  # (None: not said)
-        # (bool() took "False" as true; a tensor of two raised torch's bare RuntimeError)
-        if group.get(key) is not None and not is_saved_flag(group[key]):
-            raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
-                                  f"{group[key]!r:.80}")
+    # (None: not said, or torch picks; bool() took "False" as true, a tensor of two raised torch's bare RuntimeError;
+    # foreach, fused, capturable and differentiable are carried on by to_torch_optim(like=...) to torch's step)
+    key = torch_non_flag(group)
+    if key is not None:
+        raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
+                              f"{group[key]!r:.80}")
     name = refused_torch_option(group)
     if name is not None:
         raise UnsupportedError(f"from_torch_optim: param_groups[{gi}]: {name}={group[name]!r} is not supported "
