@@ -406,6 +406,22 @@ def test_a_saved_step_beyond_int64_is_refused_naming_the_entry():
     assert int(ck.from_torch_optim(adamw, widest, params)[0].count["a"]) == 2 ** 63 - 1
 
 
+def test_a_saved_numpy_integer_step_imports_as_its_count_and_a_numpy_bool_is_refused():
+    """A state dict that went through numpy holds its steps as numpy integers (np.int64(3)): refused as "not a
+    non-negative integer value", where torch.optim takes it (and a numpy float64, a float, was taken). Imported as
+    its count; a numpy bool is no count, and is refused as a Python bool is."""
+    adamw = sofx.adamw(lr=1e-2)
+    params = {"a": torch.randn(2)}
+    sd = ck.to_torch_optim(adamw, adamw.update(params, {"a": torch.ones(2)}, adamw.init(params))[1])
+    for step in (np.int64(3), np.uint64(3), np.int32(3), np.float32(3.0)):
+        state, _ = ck.from_torch_optim(adamw, {**sd, "state": {0: {**sd["state"][0], "step": step}}}, params)
+        assert state.count["a"].dtype == torch.int64 and int(state.count["a"]) == 3
+    for step in (np.bool_(True), True, np.int64(-1), np.uint64(2 ** 63), np.float32(1.5)):
+        with pytest.raises(ck.CheckpointError, match=r"^state\[0\] \(params\['a'\]\): step must be a non-negative "
+                                                     r"integer value below 2\*\*63, got"):
+            ck.from_torch_optim(adamw, {**sd, "state": {0: {**sd["state"][0], "step": step}}}, params)
+
+
 def test_a_state_entry_missing_moments_is_refused_whatever_its_key_types():
     """An entry without step, exp_avg or exp_avg_sq is refused listing its keys; keys of mixed types (an int
     beside a str) could not be sorted: Python's bare TypeError."""

@@ -46,7 +46,7 @@ from sofx.checkpoint.groups import (ParamGroup, check_float32_groups, check_para
                                     is_saved_flag, refuse_uninitialized, resolve_groups, saved_hparams)
 from sofx.checkpoint.io import template_device
 from sofx.errors import UnsupportedError
-from sofx.kernels.base import as_number
+from sofx.kernels.base import as_number, is_numpy_real
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.stored_values import refuse_beyond, refuse_negative
 from sofx.warn import caller_stacklevel
@@ -319,8 +319,10 @@ def _export_count(x: Any, where: str) -> int:
 
 
 def _as_step(x: Any, where: str) -> int:
-    """A saved step as sofx counts it: an integer value in ``[0, 2**63)`` (an int64 count)."""
-    v = as_number(x, where, CheckpointError) if isinstance(x, torch.Tensor) else x
+    """A saved step as sofx counts it: an integer value in ``[0, 2**63)`` (an int64 count): a Python, numpy
+    (``np.int64(3)``: a state dict that went through numpy, which torch.optim takes) or 0-d tensor number; a bool,
+    numpy's too, is none."""
+    v = as_number(x, where, CheckpointError) if isinstance(x, torch.Tensor) or is_numpy_real(x) else x
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or not 0 <= v < 2 ** 63 or int(v) != v:
         raise CheckpointError(f"{where}: step must be a non-negative integer value below 2**63, got "
                               f"{tree.key_text(x)}")
