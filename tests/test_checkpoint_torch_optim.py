@@ -980,6 +980,18 @@ def _refused_at_import(key: str, value: Any, where: str) -> tuple[dict, dict]:
     return params, sd
 
 
+@pytest.mark.parametrize("eps", [np.float16(1e-8), np.array([1e-8], dtype=np.float16),
+                                 torch.tensor(1e-8, dtype=torch.float16), torch.tensor([1e-42], dtype=torch.bfloat16)],
+                         ids=["numpy", "numpy-array", "tensor", "bf16-tensor-1"])
+def test_a_saved_half_precision_eps_that_holds_0_is_refused_saying_why(eps):
+    """A saved eps held as a float16 or bfloat16 number that holds 0 (1e-8 in float16) was refused as "eps = 0.0 is
+    invalid; expected eps > 0", a value the state dict never wrote; refused as update refuses it
+    (sofx.adam.refuse_eps_held_as_0), naming the entry, the dtype and that it holds 0 there; nothing imported."""
+    kind = "float16" if "float16" in str(eps.dtype) and "b" not in str(eps.dtype) else "bfloat16"
+    _refused_at_import("eps", eps, rf"\['eps'\] = 0\.0 is invalid; expected eps > 0: given as a {kind} number .*"
+                                   rf"which holds 0")
+
+
 def test_a_group_member_named_by_a_numpy_integer_is_that_leaf_index():
     """Leaf indices taken from an array (np.argsort, np.int64) were refused as 'a leaf is named by its index or
     path, got np.int64(1)', which is one; they are read as the Python ints they are (as speculative_step's order

@@ -37,7 +37,8 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, _check_param, check_float32_range, refuse_half_precision
+from sofx.adam import (Adam, AdamHParams, _check_param, check_float32_range, refuse_eps_held_as_0,
+                       refuse_half_precision)
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError, LeafError
 from sofx.kernels.base import as_number, check_hparam_range, is_number
@@ -163,6 +164,8 @@ def saved_hparams(group: Any, at: str, missing: str, error: type[CheckpointError
         if not (is_number(v) and isinstance(v, numbers.Real)):  # (a complex is a number float() refuses)
             raise error(f"{at}{name}: expected a number, got {type(x).__name__} {x!r:.80}")
         try:  # (as update() checks it: refused here, naming the entry, not at the first step, naming a leaf)
+            if field == "eps" and v == 0:  # (a float16 1e-8 is 0: say so, not only 'expected eps > 0')
+                refuse_eps_held_as_0(one_element(x), "", label=f"{at}{name}")
             check_hparam_range(field, v, f"{at}{name}")
         except HParamError as exc:
             raise range_error(str(exc)) from None
