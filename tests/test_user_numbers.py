@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sofx.errors import HParamError, UnsupportedError
-from sofx.kernels.user_numbers import as_integer, finite_number, flag, integer
+from sofx.kernels.user_numbers import as_integer, finite_number, flag, integer, nonnegative_number, positive_number
 
 from helpers import script_prints_ok
 
@@ -35,6 +35,23 @@ def test_finite_number_refuses_what_is_no_finite_number_naming_it(value, kind):
     """(A meta tensor was called one "whose value cannot be read here (traced)": it holds no value at all.)"""
     with pytest.raises(HParamError, match=r"x = .* is invalid; expected a finite number .*, got " + kind):
         finite_number("x", value)
+
+
+@pytest.mark.parametrize("read", [positive_number, nonnegative_number, finite_number])
+def test_a_numpy_longdouble_no_float_holds_is_refused_naming_it(read):
+    """A numpy longdouble config number (max_norm, init_scale, a scaler's factors) with more digits than a float (1/3
+    in x86's 80 bits) was read as float() of it, rounded without a word, where update, the defaults and the
+    checkpoint imports refuse it (kernels.base.as_number); refused so, naming it and the float it rounds to. One a
+    float holds exactly is read as that float."""
+    third = np.longdouble(1) / np.longdouble(3)
+    if float(third) == third:
+        pytest.skip("numpy's longdouble is a double on this platform")
+    with pytest.raises(HParamError, match=r"^x = np\.longdouble\('0\.333.*'\) is invalid: a numpy\.longdouble that "
+                                          r"no Python float \(a float64\) holds exactly, which float\(\) rounds to "
+                                          r"0\.3333333333333333"):
+        read("x", third)
+    got = read("x", np.longdouble(0.5))
+    assert got == 0.5 and type(got) is float
 
 
 @pytest.mark.parametrize("value", [0, 5, np.int64(5), np.uint8(5), torch.tensor(5),

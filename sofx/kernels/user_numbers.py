@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from sofx.errors import HParamError
-from sofx.kernels.base import is_traced
+from sofx.kernels.base import as_number, is_numpy_real, is_traced
 from sofx.kernels.storage import TensorName, in_storage, refuse_short_storage
 
 __all__ = ["is_bool", "real_number", "positive_number", "nonnegative_number", "finite_number", "as_integer", "integer",
@@ -46,6 +46,14 @@ def real_number(value: Any, name: TensorName = "a 1-element tensor", error: type
     return x if isinstance(x, numbers.Real) and not is_bool(x) else value
 
 
+def _exact_real(value: Any, name: str) -> Any:
+    """:func:`real_number` of ``value``, a numpy float read as the Python float that holds it exactly, else an
+    :class:`HParamError` naming ``name`` and the value (:func:`~sofx.kernels.base.as_number`: a longdouble's extra
+    digits, 1/3 in x86's 80 bits, were rounded off by ``float()`` without a word)."""
+    x = real_number(value, name)
+    return as_number(x, name) if is_numpy_real(x) and not isinstance(x, numbers.Integral) else x
+
+
 def _described(value: Any) -> str:
     """``value``'s type for an error message (a tensor's dtype and shape, and whether it is traced)."""
     if isinstance(value, torch.Tensor):
@@ -57,11 +65,12 @@ def _described(value: Any) -> str:
 
 def positive_number(name: str, value: Any) -> float:
     """``value`` as a Python float where it is a finite real number > 0 (:func:`real_number`: a Python or numpy
-    number, a 1-element readable tensor), else an :class:`HParamError` naming ``name``, the value and its type.
+    number, a 1-element readable tensor), else an :class:`HParamError` naming ``name``, the value and its type (a
+    numpy float no Python float holds exactly too, :func:`_exact_real`).
 
     Converted once where a configuration is built, so that the arithmetic downstream is on Python floats (a
     tensor kept as given made every number computed from it a tensor)."""
-    x = real_number(value, name)
+    x = _exact_real(value, name)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
     except OverflowError:  # an int beyond the float range
@@ -75,8 +84,9 @@ def positive_number(name: str, value: Any) -> float:
 def nonnegative_number(name: str, value: Any, hint: str = "") -> float:
     """``value`` as a Python float where it is a real number >= 0, inf included (:func:`real_number`: a Python or
     numpy number, a 1-element readable tensor; an int beyond the float range is inf), else an
-    :class:`HParamError` naming ``name``, the value and its type (``hint``: what the values mean, in the message)."""
-    x = real_number(value, name)
+    :class:`HParamError` naming ``name``, the value and its type (``hint``: what the values mean, in the message; a
+    numpy float no Python float holds exactly too, :func:`_exact_real`)."""
+    x = _exact_real(value, name)
     try:
         f = float(x) if isinstance(x, numbers.Real) and not is_bool(x) else math.nan
     except OverflowError:  # an int beyond the float range
@@ -90,10 +100,10 @@ def nonnegative_number(name: str, value: Any, hint: str = "") -> float:
 def finite_number(name: str, value: Any) -> int | float:
     """``value`` as a Python int or float where it is a finite real number (:func:`real_number`: a Python or
     numpy number, a 1-element readable tensor; an integer stays an int), else an :class:`HParamError` naming
-    ``name``, the value and its type.
+    ``name``, the value and its type (a numpy float no Python float holds exactly too, :func:`_exact_real`).
 
     Read once where a configuration is built (a numpy ``float32`` was refused, a tensor kept as given)."""
-    x = real_number(value, name)
+    x = _exact_real(value, name)
     if isinstance(x, numbers.Real) and not is_bool(x):
         x = int(x) if isinstance(x, numbers.Integral) else float(x)
         try:
