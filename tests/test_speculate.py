@@ -317,6 +317,30 @@ def test_block_eligibility_reports_refusal_and_snapshot_cost(rng):
         sp.block_eligibility(plain, p, torch.randn(5), plain.init(p), AdamHParams(), 1.0)
 
 
+def test_combine_eligibilities_ranks_every_strategy_and_refuses_one_of_no_undo_record():
+    """A tree block's Eligibility names its costliest leaf's strategy: "chunk_snapshot" was missing from the ranking
+    and counted as "algebraic" (the block's strategy then depended on its leaves' order), an unknown string was
+    taken and hidden the same way, and eligible leaves all of strategy None (a step that cannot be undone) came back
+    as None, which the offload engine took for an eligible "algebraic" block. Every strategy of an undo record is
+    ranked; an eligible leaf's strategy that is none of them is refused, naming the leaf."""
+    from sofx.speculation.apply import combine_eligibilities
+
+    alg, chunk = sp.Eligibility(True, "algebraic", "", 0), sp.Eligibility(True, "chunk_snapshot", "", 0)
+    param, snap = sp.Eligibility(True, "param_snapshot", "", 8), sp.Eligibility(True, "snapshot", "", 24)
+    assert combine_eligibilities([chunk, alg]).strategy == combine_eligibilities([alg, chunk]).strategy \
+        == "chunk_snapshot"
+    assert combine_eligibilities([param, chunk]).strategy == combine_eligibilities([chunk, param]).strategy \
+        == "param_snapshot"
+    assert combine_eligibilities([alg, snap, param]) == sp.Eligibility(True, "snapshot", "", 32)
+    assert combine_eligibilities([]) is None
+    for bad in (None, "none", "snapshots", 2):
+        with pytest.raises(sofx.SofxError, match=rf"^combine_eligibilities: leaf 1: an eligible leaf's strategy = "
+                                                 rf"{re.escape(repr(bad))} is none of \('algebraic', "):
+            combine_eligibilities([alg, sp.Eligibility(True, bad, "", 0)])
+    refused = sp.Eligibility(False, "none", "cannot be undone", 0)
+    assert combine_eligibilities([alg, refused, sp.Eligibility(True, None, "", 0)]) is refused
+
+
 def test_bf16_states_use_snapshots_and_redo_bitwise(rng):
     opt = sofx.adamw(lr=1e-2, state_dtype=torch.bfloat16)
     params, state = _warm(opt, _params(rng), rng)

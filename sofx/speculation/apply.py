@@ -33,8 +33,10 @@ __all__ = ["grad_sumsq", "block_eligibility", "combine_eligibilities", "snapshot
            "apply_block_action"]
 
 
-# Which strategy's snapshot costs more: a tree block's Eligibility names its costliest leaf's.
-_STRATEGY_COST = {"algebraic": 0, "param_snapshot": 1, "snapshot": 2}
+# Which strategy's snapshot costs more: a tree block's Eligibility names its costliest leaf's. Every strategy of an
+# undo record that can be undone (undo_record.STRATEGIES but "none"): a "chunk_snapshot" keeps p, m and v of the
+# chunks its step flagged only (algebraic elsewhere), a "param_snapshot" the whole p, a "snapshot" all three.
+_STRATEGY_COST = {"algebraic": 0, "chunk_snapshot": 1, "param_snapshot": 2, "snapshot": 3}
 
 
 def grad_sumsq(grad: torch.Tensor) -> float:
@@ -109,12 +111,19 @@ def _leaf_eligibility(plan: tuple[str, str | None], p: torch.Tensor, m: torch.Te
 def combine_eligibilities(leaves: Iterable[Eligibility]) -> Eligibility | None:
     """A block's :class:`Eligibility` from its leaves' (read in order, up to the first ineligible one, which is the
     block's): else eligible with the costliest leaf's strategy, the leaves' reasons (each once) and the sum of their
-    snapshot bytes; ``None`` where there is no leaf."""
+    snapshot bytes; ``None`` where there is no leaf. An eligible leaf whose strategy is none an undo record can be
+    undone by (None, ``"none"``, an unknown string: taken as "algebraic" before, the block's strategy then depending
+    on its leaves' order, or None for the block, which the offload engine took for an eligible "algebraic" one) is
+    refused, a :class:`~sofx.errors.SofxError` naming the leaf."""
     strategy, reasons, nbytes = None, [], 0
-    for el in leaves:
+    for i, el in enumerate(leaves):
         if not el.eligible:
             return el
-        if strategy is None or _STRATEGY_COST.get(el.strategy, 0) > _STRATEGY_COST.get(strategy, 0):
+        cost = _STRATEGY_COST.get(el.strategy) if isinstance(el.strategy, str) else None
+        if cost is None:
+            raise SofxError(f"combine_eligibilities: leaf {i}: an eligible leaf's strategy = {el.strategy!r:.80} is "
+                            f"none of {tuple(_STRATEGY_COST)} (the undo records' that can be undone)")
+        if strategy is None or cost > _STRATEGY_COST[strategy]:
             strategy = el.strategy
         if el.reason:
             reasons.append(el.reason)
