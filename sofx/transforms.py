@@ -502,7 +502,7 @@ def _not_a_transformation(where: str, t: Any) -> str:
     optimizer (optax chains its optimizer last) and for a transformation's function not called."""
     if callable(getattr(t, "update", None)) and callable(getattr(t, "undo", None)):
         name = type(t).__name__
-        return (f"{where} is {'an' if name[:1] in 'AEIOU' else 'a'} {name} (a sofx optimizer, which is not chained as "
+        return (f"{where} is {tree.article(name)} (a sofx optimizer, which is not chained as "
                 "optax's: its update takes (params, grads, state, hparams)); chain the gradient transformations, "
                 "then opt.update(params, grads, state, hparams) with their gradients")
     if inspect.isfunction(t) and t.__name__ in globals() and globals()[t.__name__] is t:

@@ -2039,6 +2039,15 @@ _BAD_STATES = {  # name: (mutation, the error's match)
     "scaler of another kind": (_corrupt(("scaler", "type"), "DynamicLossScaleRule"),
                                r"\['scaler'\]: the saved loss-scale rule is a DynamicLossScaleRule, this "
                                "optimizer's is a GradScalerRule"),
+    "scaler of a kind starting with a vowel": (_corrupt(("scaler", "type"), "EagerRule"),
+                                               r"\['scaler'\]: the saved loss-scale rule is an EagerRule, this "
+                                               "optimizer's is a GradScalerRule"),
+    "scaler of no kind": (_corrupt(("scaler", "type"), None),
+                          r"\['scaler'\]: the saved loss-scale rule names no kind \('type' = None\), this "
+                          "optimizer's is a GradScalerRule"),
+    "scaler state of a kind starting with a vowel": (_corrupt(("scaler_state", "type"), "EagerState"),
+                                                     r"\['scaler_state'\]: the saved loss-scaler state is an "
+                                                     "EagerState, this optimizer's is a GradScalerState"),
     "unknown scaler setting": (_corrupt(("scaler", "hysteresis"), 2),
                                r"\['scaler'\]\['hysteresis'\]: a GradScalerRule has no such setting"),
     "growth factor 0.5": (_corrupt(("scaler", "growth_factor"), 0.5),

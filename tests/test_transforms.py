@@ -621,8 +621,10 @@ def test_chain_and_transform_errors(rng):
                            r"gradients$"),
     (lambda: sofx.apply_if_finite(sofx.adamw(), 3), r"^chain: argument 1 is an ApplyIfFinite \(a sofx optimizer"),
     (lambda: tx.clip_by_global_norm, r"^chain: argument 1 is the function clip_by_global_norm: call it for the "
-                                     r"transformation, clip_by_global_norm\(\.\.\.\)$")],
-    ids=["adamw", "apply_if_finite", "a transformation's function"])
+                                     r"transformation, clip_by_global_norm\(\.\.\.\)$"),
+    (lambda: type("undoable_opt", (), {"update": lambda self: None, "undo": lambda self: None})(),
+     r"^chain: argument 1 is an undoable_opt \(a sofx optimizer")],
+    ids=["adamw", "apply_if_finite", "a transformation's function", "a lowercase class name"])
 def test_chain_given_an_optimizer_or_an_uncalled_transformation_says_what_to_do(given, pattern):
     """optax chains the optimizer last (``chain(clip_by_global_norm(1.0), adamw(1e-3))``): sofx's chain refused it
     with "argument 1 is a Adam, expected a GradientTransformation", which does not say how sofx composes them; a

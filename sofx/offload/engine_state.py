@@ -48,6 +48,7 @@ from sofx.serial import loss_scale_of
 from sofx.speculate import PolicyState
 from sofx.speculation.policy import checked_policy_state
 from sofx.stored_values import refuse_negative
+from sofx.tree import article
 
 if TYPE_CHECKING:  # pragma: no cover
     from sofx.offload.engine import OffloadEngine
@@ -456,15 +457,22 @@ def _checked_rule(engine: "OffloadEngine", saved: Any, where: str) -> Any:
     kind, here = settings.pop("type", None), type(rule).__name__
     if kind != here or type(rule) not in _RULES:
         custom = "" if type(rule) in _RULES else " (a custom rule, which keeps its own settings: set the entry to None)"
-        raise StructureError(f"{where}: the saved loss-scale rule is a {kind}, this optimizer's is a {here}{custom}")
+        raise StructureError(f"{where}: the saved loss-scale rule {_saved_kind(kind)}, this optimizer's is "
+                             f"{article(here)}{custom}")
     names = [f.name for f in dataclasses.fields(rule)]
     unknown = sorted(set(settings) - set(names), key=str)  # (keys of several kinds: sorted by what they read as)
     if unknown:
-        raise StructureError(f"{where}[{unknown[0]!r}]: a {here} has no such setting (it has {names})")
+        raise StructureError(f"{where}[{unknown[0]!r}]: {article(here)} has no such setting (it has {names})")
     try:
         return dataclasses.replace(rule, **settings)
     except HParamError as exc:
         raise HParamError(f"{where}: {exc}") from None
+
+
+def _saved_kind(kind: Any) -> str:
+    """What a saved loss-scale rule or scaler state is, by its ``'type'`` entry (``kind``), for a refusal: ``is an
+    EagerRule`` (:func:`sofx.tree.article`), or ``names no kind ('type' = None)`` where it holds no class name."""
+    return f"is {article(kind)}" if isinstance(kind, str) and kind else f"names no kind ('type' = {kind!r:.60})"
 
 
 def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, at: str) -> tuple[Any, Any]:
@@ -479,15 +487,15 @@ def _checked_scaler_state(engine: "OffloadEngine", saved: Any, saved_rule: Any, 
     fields = dict(saved)
     kind, expected = fields.pop("type", None), type(engine.scaler_state)
     if kind != expected.__name__:
-        raise StructureError(f"{where}: the saved loss-scaler state is a {kind}, this optimizer's is a "
-                             f"{expected.__name__}")
+        raise StructureError(f"{where}: the saved loss-scaler state {_saved_kind(kind)}, this optimizer's is "
+                             f"{article(expected.__name__)}")
     unknown = sorted(set(fields) - set(expected._fields), key=str)  # (keys of several kinds, as above)
     if unknown:
-        raise StructureError(f"{where}[{unknown[0]!r}]: a {expected.__name__} has no such field (it has "
+        raise StructureError(f"{where}[{unknown[0]!r}]: {article(expected.__name__)} has no such field (it has "
                              f"{list(expected._fields)})")
     missing = [name for name in expected._fields if name not in fields]
     if missing:  # (every state dict holds them all: a default would be taken for the run's value without a word)
-        raise StructureError(f"{where}[{missing[0]!r}]: the field is missing (a {expected.__name__} has "
+        raise StructureError(f"{where}[{missing[0]!r}]: the field is missing ({article(expected.__name__)} has "
                              f"{list(expected._fields)})")
     for name, value in fields.items():  # the state dict holds a tuple field as a list (JSON-like, as torch's betas)
         if isinstance(value, list) and isinstance(getattr(engine.scaler_state, name), tuple):
