@@ -227,7 +227,7 @@ def spec_text(spec: TreeSpec) -> str:
     try:
         return str(spec)
     except ValueError:
-        return f"PyTreeSpec(a {spec.type.__name__} of {spec.num_leaves} leaves)"
+        return f"PyTreeSpec({article(spec.type.__name__)} of {spec.num_leaves} leaves)"
 
 
 def _is_treespec(x: Any) -> bool:

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import torch
 
 import sofx
-from sofx import AdamHParams, loss_scale
+from sofx import AdamHParams, loss_scale, tree
 from sofx import speculate as sp
 from sofx.kernels.base import FINITE_CHUNK
 from sofx.serial import serial_step
@@ -2783,10 +2783,12 @@ def test_plan_validation_refuses_sums_or_taken_that_are_not_one_entry_per_block_
     for kw, name, kind in (({"sumsq": {"w": 1.0, "b": 1.0}}, "sumsq", "dict"),
                            ({"sumsq": (s for s in (1.0, 1.0))}, "sumsq", "generator"),
                            ({"sumsq": 5.0}, "sumsq", "float"), ({"sumsq": "ab"}, "sumsq", "str"),
+                           ({"sumsq": 5}, "sumsq", "int"),  # ('is a int': sofx.tree.article now)
                            ({"sumsq": [1.0, 1.0], "taken": {"w": False, "b": False}}, "taken", "dict"),
                            ({"sumsq": [1.0, 1.0], "taken": (t for t in (False, False))}, "taken", "generator")):
         hook = _RecordingHook()
-        with pytest.raises(sofx.SofxError, match=rf"^plan_validation: {name} is a {kind}; expected a sequence of "
+        with pytest.raises(sofx.SofxError, match=rf"^plan_validation: {name} is {tree.article(kind)}; expected a "
+                                                 r"sequence of "
                                                  r"one .* per block, block i at \[i\]"):
             sp.plan_validation(ctx, tally, reduce_sumsq=hook, **kw)
         assert hook.calls and hook.calls[0].startswith("refuse: "), hook.calls

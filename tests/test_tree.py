@@ -464,6 +464,15 @@ def test_a_structure_difference_under_a_huge_int_key_is_named_in_hex():
         tree.flatten_up_to(spec, {huge: {"w": 1}}, "grads")
 
 
+@pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
+def test_spec_text_of_a_spec_with_a_huge_int_key_names_its_root_type_after_its_article():
+    """Where Python refuses a spec's text (a key too long for decimal), spec_text wrote 'PyTreeSpec(a OrderedDict of
+    1 leaves)'; sofx.tree.article before the type's name."""
+    spec = tree.flatten(collections.OrderedDict([(10 ** 5000, torch.ones(1))]))[1]
+    assert tree.spec_text(spec) == "PyTreeSpec(an OrderedDict of 1 leaves)"
+    assert tree.spec_text(tree.flatten({10 ** 5000: 1, 2: 3})[1]) == "PyTreeSpec(a dict of 2 leaves)"
+
+
 def test_a_namedtuple_of_another_class_of_the_same_name_is_named_as_another_class():
     """A NamedTuple class defined again (a notebook cell run twice, a reloaded module) is another class of the same
     name: the refusal read 'grads is a NT, expected a NT'. It says that the two classes differ."""

@@ -1016,8 +1016,8 @@ def _check_per_block(name: str, x: Any, item: str) -> None:
     or what has no length or index (a generator, a number: a bare TypeError)."""
     if not _is_per_block(x):
         hint = " (a mapping is not taken: list its values in block order)" if isinstance(x, Mapping) else ""
-        raise SofxError(f"plan_validation: {name} is a {_kind_of(x)}; expected a sequence of one {item} per "
-                        f"block, block i at [i] (a list, a tuple, a tensor){hint}")
+        raise SofxError(f"plan_validation: {name} is {tree.article(_kind_of(x))}; expected a sequence of one {item} "
+                        f"per block, block i at [i] (a list, a tuple, a tensor){hint}")
 
 
 def _is_per_block(x: Any) -> bool:
