@@ -1186,6 +1186,24 @@ def test_a_like_group_without_a_params_list_is_refused_naming_it(group):
     ck.to_torch_optim(opt, state, like=[{"params": (0, 1), "foreach": None}])
 
 
+@pytest.mark.parametrize("key, value", [("foreach", "False"), ("fused", 0.0), ("capturable", "no"),
+                                        ("differentiable", None), ("differentiable", 1)])
+def test_a_like_group_option_that_is_no_flag_is_refused_naming_it(key, value):
+    """``like``'s foreach, fused, capturable and differentiable are kept in the export, which torch's step reads
+    (``if group["foreach"]:`` takes "False" as on; differentiable None or 1 a TypeError in set_grad_enabled): a value
+    that is no flag was handed on without a word. Refused as from_torch_optim refuses it in a state dict
+    (sofx.adam.torch_non_flag), naming like's group, the option and the value; amsgrad, maximize and
+    decoupled_weight_decay are the export's own, whatever like holds."""
+    opt = sofx.adamw()
+    params = {"a": torch.randn(2)}
+    state = opt.init(params)
+    with pytest.raises(ck.CheckpointError, match=rf"^to_torch_optim: like's param_groups\[0\]\['{key}'\]: expected "
+                                                 rf"True or False, got {re.escape(repr(value))}"):
+        ck.to_torch_optim(opt, state, like=[{"params": [0], key: value}])
+    kept = ck.to_torch_optim(opt, state, like=[{"params": [0], key: False, "amsgrad": "no"}])["param_groups"][0]
+    assert kept[key] is False and kept["amsgrad"] is False
+
+
 def test_an_older_state_dict_without_decoupled_weight_decay_says_which_decay_it_imports_as():
     """torch.optim before ``decoupled_weight_decay`` wrote the same group keys for Adam and AdamW: such a state
     dict imported into ``sofx.adam()`` or ``sofx.adamw()`` alike, the other decay taken without a word where its

@@ -223,7 +223,8 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
     """The entries of ``like``'s param groups (a torch optimizer, its ``state_dict()`` or its ``param_groups``) that
     the exported groups keep (all but :data:`_EXPORTED_KEYS`; deep copies), one dict per group; ``sizes``: the
     number of parameters of each exported group, which ``like``'s must match (a group without a ``params`` list is
-    refused naming it). ``None``: nothing kept."""
+    refused naming it, and so is a kept on/off option of torch's that is no flag, :func:`sofx.adam.torch_non_flag`).
+    ``None``: nothing kept."""
     if like is None:
         return [{} for _ in sizes]
     if isinstance(like, torch.optim.Optimizer):
@@ -254,6 +255,11 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
             raise CheckpointMismatchError(f"to_torch_optim: like's param_groups[{gi}] has {len(members)} parameters, "
                                           f"the export's {size} (torch's load_state_dict refuses groups of other "
                                           "sizes)")
+    for gi, group in enumerate(found):  # (kept: torch's step reads them, "False" as on)
+        odd = torch_non_flag({k: v for k, v in group.items() if k not in _EXPORTED_KEYS})
+        if odd is not None:
+            raise CheckpointError(f"to_torch_optim: like's param_groups[{gi}]['{odd}']: expected True or False, got "
+                                  f"{group[odd]!r:.80} (kept in the export, which torch's step reads)")
     return [{k: copy.deepcopy(v) for k, v in group.items() if k not in _EXPORTED_KEYS} for group in found]
 
 
