@@ -2098,7 +2098,8 @@ def refuse_eps_held_as_0(given: Any, where: str, path: str = "", label: str | No
     if type(given) is float:  # (the common case, once per group and step)
         return
     tensor = isinstance(given, torch.Tensor)
-    kind = str(given.dtype).removeprefix("torch.") if tensor or type(given).__module__ == "numpy" else ""
+    # (a numpy scalar, not an array: one of several elements raised numpy's bare "truth value ... is ambiguous")
+    kind = str(given.dtype).removeprefix("torch.") if tensor or is_numpy_real(given) else ""
     if kind not in ("float16", "bfloat16", "float32") or (tensor and (given.dim() != 0 or is_traced(given))):
         return
     label = f"{where}{path}: eps" if label is None else label

@@ -233,6 +233,26 @@ def test_an_eps_that_rounds_to_0_in_its_dtype_is_refused_saying_so(make, kind):
         sofx.offload.SpeculativeAdamW(torch.nn.Linear(2, 2).parameters(), eps=eps)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_eps_given_as_a_numpy_array_is_refused_as_no_number(dtype):
+    """The check of an eps that holds 0 in its dtype took a numpy array of float32 or float16 (its dtype known) for a
+    number: ``np.array([1e-8, 1e-8], dtype=np.float32)`` raised numpy's bare ValueError "The truth value of an array
+    with more than one element is ambiguous" from update and the offload facade, and one of a single element that
+    holds 0 was said to be "given as a float16 number". Refused as any array: no number."""
+    np = pytest.importorskip("numpy")
+    opt, params, grads, state = _setup(1)
+    before = _snapshot(params, grads, state)
+    for eps in (np.array([1e-8, 1e-8], dtype=dtype), np.array([1e-8], dtype=dtype)):
+        with pytest.raises(sofx.HParamError, match=r"^hparams for params\['head'\]: eps must be a float or a 0-d "
+                                                   r"tensor, got ndarray"):
+            opt.update(params, grads, state, sofx.AdamHParams(eps=eps), donate=True)
+        with pytest.raises(sofx.HParamError, match=r"^defaults\['eps'\] = array\(.* is invalid; expected a finite "
+                                                   r"number \(a Python or numpy number, or a 1-element tensor\), got "
+                                                   r"ndarray"):
+            sofx.offload.SpeculativeAdamW(torch.nn.Linear(2, 2).parameters(), eps=eps, executor="inline")
+    _assert_unchanged(before, params, grads, state)
+
+
 def test_a_meta_grad_scale_of_leaves_with_data_is_refused():
     """A meta 0-d grad_scale beside parameters with data reached torch's arithmetic ("Tensor on device meta is not
     on the expected device cpu!"); it is refused naming grad_scale, changing nothing."""
