@@ -1228,11 +1228,14 @@ def _read_hparams(hp: AdamHParams, defaults: AdamHParams, where: str) -> AdamHPa
         if x is not None:
             refuse_half_precision(f, x, where)
             refuse_unreal_tensor(f, x, where)  # (read as a Python bool or complex, its refusal said "got bool")
-            if f == "eps":
-                refuse_eps_held_as_0(x, where)  # (read as 0.0, refused as no value the caller wrote)
-    return AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
+    read = AdamHParams(*(as_number(d, lambda f=f: f"defaults: {f}") if x is None else
                          as_number(x, lambda f=f: f"{where}: {f}")
                          for f, x, d in zip(AdamHParams._fields, hp, defaults)))
+    # (read as 0.0, refused as no value the caller wrote; asked only then, a tensor eps read again being a second
+    # device sync a step; a traced one is not read)
+    if hp.eps is not None and type(read.eps) in (float, int) and read.eps == 0:
+        refuse_eps_held_as_0(hp.eps, where)
+    return read
 
 
 def _checked_grad_scale(grad_scale: Any, leaves: Sequence[_Leaf]) -> Scalar:
