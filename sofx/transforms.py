@@ -557,8 +557,8 @@ def _keywords_taken(update: Callable[..., Any]) -> frozenset[str] | None:
 def _check_state(who: str, state: Any, expected: type, made_by: str) -> None:
     """A state of another type than the transformation's own is refused, naming both (an AttributeError later)."""
     if not isinstance(state, expected):
-        raise SofxError(f"{who}: state is {tree.article(type(state).__name__)}; expected a {expected.__name__} (as "
-                        f"{made_by} makes it)")
+        raise SofxError(f"{who}: state is {tree.article(type(state).__name__)}; expected "
+                        f"{tree.article(expected.__name__)} (as {made_by} makes it)")
 
 
 def _loss_scale(extra: Mapping[str, Any], who: str) -> float | torch.Tensor:

@@ -799,7 +799,7 @@ def test_traced_clip_and_unscale_multiply_low_precision_leaves_as_eager(rng, dty
 def test_transforms_refuse_a_state_of_another_type(call):
     """A plain tuple as the state raised an AttributeError ('tuple' object has no attribute 'total')."""
     p = {"a": torch.ones(3)}
-    with pytest.raises(SofxError, match=r": state is a tuple; expected a (AccumulationState|FiniteState) \(as "):
+    with pytest.raises(SofxError, match=r": state is a tuple; expected (an AccumulationState|a FiniteState) \(as "):
         call(p)
 
 
