@@ -679,3 +679,49 @@ def test_a_read_of_the_state_that_carries_out_a_dropped_deferred_close_returns_t
         assert all(a[k] is getattr(opt.engine.tensors[b], k) for b, a in enumerate(blocks) for k in a)
     assert int(opt.state[p]["step"]) == 1
     _closed_for_good(model, opt)
+
+
+@pytest.mark.parametrize("read", ["state_dict", "step"])
+def test_a_call_from_a_signal_handler_inside_close_with_a_dropped_close_pending_is_refused_not_deadlocked(read):
+    """A close a second Ctrl-C dropped (pending) is carried out by the next call; made from a signal handler (a
+    SIGTERM handler that saves a checkpoint) while the main thread was inside ``close()`` itself, holding the call
+    lock before it had noted itself as its owner, that call's close waited for the lock its own thread held: the
+    process hung for good. It is refused as a call during close() (the close goes on as the handler returns)."""
+    import signal
+
+    import torch
+
+    import sofx.offload
+    from sofx.errors import SofxError
+
+    opt = sofx.offload.SpeculativeAdamW(torch.nn.Linear(4, 4).parameters(), executor="inline")
+    engine = opt.engine
+    engine._close_pending = "step()"  # (a deferred close a second Ctrl-C kept that call from carrying out)
+    outcome: list[str] = []
+
+    def handler(signum, frame):
+        try:
+            opt.state_dict() if read == "state_dict" else opt.step()
+            outcome.append("done")
+        except SofxError as exc:
+            outcome.append(str(exc))
+
+    def hung(signum, frame):
+        raise TimeoutError("the call made from the signal handler hung")
+
+    before = signal.signal(signal.SIGUSR1, handler), signal.signal(signal.SIGALRM, hung)
+    try:
+        with engine._call_lock:  # (close() between taking its locks and noting itself as their owner)
+            engine._closing = True
+            signal.setitimer(signal.ITIMER_REAL, 5.0)
+            try:
+                signal.raise_signal(signal.SIGUSR1)
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                engine._closing = False
+    finally:
+        signal.signal(signal.SIGUSR1, before[0])
+        signal.signal(signal.SIGALRM, before[1])
+    assert len(outcome) == 1 and "being closed" in outcome[0], outcome
+    opt.close()
+    assert engine._closed

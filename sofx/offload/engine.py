@@ -2125,9 +2125,11 @@ class OffloadEngine:
         """Carry out a deferred :meth:`close` that the call it was deferred to did not (a second Ctrl-C broke into
         that call's end, before the close: the optimizer stayed open, its executor running, and the next call went
         on, or was told the engine failed and to close it); returns the call it was deferred to, else "". Nothing is
-        done while a call or gradient hook holds the engine (one in another thread does the close as it ends)."""
+        done while a call or gradient hook holds the engine (one in another thread does the close as it ends), nor
+        while a close is under way (a call from a signal handler inside ``close()``, which holds the call lock before
+        it notes itself as its owner: that call's close waited for its own thread's lock for good)."""
         inside = self._close_pending
-        if not inside or self._closed or self._call_owner is not None or self._hook_owner is not None:
+        if not inside or self._closed or self._closing or self._call_owner is not None or self._hook_owner is not None:
             return ""
         self.close()
         return inside
