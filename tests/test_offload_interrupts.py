@@ -350,6 +350,95 @@ def test_ctrl_c_at_every_line_of_the_public_calls_leaves_the_optimizer_usable(tm
     assert int(out.stdout.split()[-1]) >= 10, out.stdout
 
 
+# A SIGINT at each line of the facade's own calls (and of the engine call each makes): after each, caught, the facade's
+# bookkeeping agrees with the engine's -- the report of a step taken, the note that this step's backward was scaled
+# (its loss scale on), a state dict's groups loaded with its engine state -- and after the next whole iteration too.
+_FACADE_CALLS = _SETUP + _TRACER + r"""
+from sofx.offload import engine
+from sofx.offload.facade import _SpeculativeBase as F
+
+E = engine.OffloadEngine
+opt.close()
+opt = sofx.offload.SpeculativeAdamW(model.parameters(), lr=1e-2, executor=executor, block_numel=300,
+                                    loss_scale="dynamic")
+x, y = batch(0)
+for i in range(2):  # the state dict of iteration 1, whose lr is 2e-2: a load shows whether both were loaded
+    opt.backward(loss(model, x, y))
+    opt.step()
+    opt.zero_grad()
+    if i == 0:
+        saved = opt.state_dict()
+        saved["param_groups"][0]["lr"] = 2e-2
+
+def unwrapped(*functions):
+    return line_targets([inspect.unwrap(f) for f in functions])
+
+made = {"step": (lambda: opt.step(), unwrapped(F.step, E.step)),
+        "zero_grad": (lambda: opt.zero_grad(), unwrapped(F.zero_grad, E.discard_gradients)),
+        "backward": (lambda: opt.backward(loss(model, x, y)), unwrapped(F.backward, F.scale_loss, F._take_loss_scale)),
+        "state_dict": (lambda: opt.state_dict(), unwrapped(F.state_dict)),
+        "load_state_dict": (lambda: opt.load_state_dict(saved),
+                            unwrapped(F.load_state_dict, F._load_state_dict, E.load_state_dict))}
+
+def disagree(name, where, before):
+    out = []
+    if before is not None and opt.engine.iteration == before[0]:
+        if opt.last_report is not before[1]:
+            out.append(f"{name}@{where}: last_report replaced, no step taken")
+    elif name != "load_state_dict" and opt.last_report.iteration != opt.engine.iteration:
+        out.append(f"{name}@{where}: last_report of iteration {opt.last_report.iteration}, the engine's "
+                   f"{opt.engine.iteration}")
+    if name != "backward" and opt._scale_taken != opt.engine.in_step:  # (a backward or a step between)
+        out.append(f"{name}@{where}: _scale_taken {opt._scale_taken}, in_step {opt.engine.in_step}")
+    if (opt.engine.iteration == 1) != (opt.param_groups[0]["lr"] == 2e-2):
+        out.append(f"{name}@{where}: iteration {opt.engine.iteration} with lr {opt.param_groups[0]['lr']}")
+    return out
+
+fired, wrong = {}, []
+for name in sys.argv[2:]:
+    call, targets = made[name]
+    fired[name] = 0
+    for target in targets:
+        opt.zero_grad()
+        if name in ("step", "zero_grad"):
+            opt.backward(loss(model, x, y))
+        armed, before = target, (opt.engine.iteration, opt.last_report)
+        try:
+            sys.settrace(calls)
+            call()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+            fired[name] += armed is None
+            armed = None
+        wrong += disagree(name, f"{target[0].co_name}:{target[1]}", before)
+        opt.zero_grad()  # the script goes on: a whole iteration
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.backward(loss(model, x, y))
+        opt.step()
+        wrong += disagree(name, f"{target[0].co_name}:{target[1]}, next", None)
+opt.close()
+print(*fired.values())
+print("disagree:", *wrong)
+"""
+
+
+def test_ctrl_c_at_every_line_of_the_facades_calls_keeps_its_bookkeeping(tmp_path):
+    """A Ctrl-C raised as ``step()``'s engine step ended (held back there until its state was whole), or before the
+    facade noted it, left ``last_report`` the step's before (its report lost) and the note that this step's backward
+    was scaled standing, so that the next unscaled ``loss.backward()`` was not warned of. The facade's bookkeeping
+    now goes with the engine's call, Ctrl-C held back over both."""
+    script = tmp_path / "facade_calls.py"
+    script.write_text(_FACADE_CALLS)
+    out = subprocess.run([sys.executable, str(script), "inline", "step", "backward", "state_dict"],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    fired, said = out.stdout.splitlines()
+    assert all(int(n) >= 5 for n in fired.split()), out.stdout
+    assert said == "disagree:", out.stdout
+
+
 # A SIGINT at the k-th line or return of torch's grad-mode switches (torch.no_grad()'s __enter__ and __exit__, the
 # set_grad_enabled they call) inside each call, for every k the call reaches; the grad mode after each, caught.
 _GRAD_MODE = _SETUP + r"""

@@ -1711,6 +1711,13 @@ class OffloadEngine:
         """Whether gradients of an unfinished step are held (between backward and ``step()``)."""
         return self.tracker.started
 
+    @property
+    def interrupts(self) -> Any:
+        """``with engine.interrupts:`` holds Ctrl-C back (:mod:`sofx.offload.interrupts`; nothing where the engine
+        has no gate), for a caller whose own bookkeeping goes with an engine call: raised as that ends, it
+        would find the call done and the bookkeeping not (the facade's ``last_report`` of a step taken)."""
+        return self._interrupts
+
     # ------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
         """The engine's complete state: a plain pytree of tensors and JSON-able values.

@@ -833,14 +833,17 @@ class _SpeculativeBase(torch.optim.Optimizer):
                 loss = closure()
         self._warn_unscaled_backward()
         self._warn_partial_accumulation()
-        try:
-            report = self.engine.step()
-        except BaseException:
-            if not self.engine.in_step:  # (dropped: a failed loss-scale rule's step is undone, its backward spent)
-                self._scale_taken = False
-            raise
-        self._scale_taken = False
-        self.last_report = report
+        # Ctrl-C held back over the step and its notes here: raised as the engine's step ended (held there until its
+        # state was whole) or before these lines, it lost the step's report and left the scaled backward noted
+        with self.engine.interrupts:
+            try:
+                report = self.engine.step()
+            except BaseException:
+                if not self.engine.in_step:  # (dropped: a failed loss-scale rule's step is undone, its backward spent)
+                    self._scale_taken = False
+                raise
+            self._scale_taken = False
+            self.last_report = report
         return report if closure is None else loss
 
     def _refuse_grad_scaler(self) -> None:
