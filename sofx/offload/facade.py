@@ -878,10 +878,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
         where torch.optim steps a parameter without a gradient this step on its zeroed ``.grad``, this optimizer
         skips it (``missing_grad="skip"``); call ``opt.zero_grad(set_to_none=False)``.
         """
-        dropped = self.engine.in_step
-        self.engine.discard_gradients(set_to_none)
-        if dropped:  # the scaled backward that fed the dropped step is not the next step's (_warn_unscaled_backward)
-            self._scale_taken = False
+        with self.engine.interrupts:  # (a Ctrl-C raised as the engine dropped the step left the note below standing)
+            dropped = self.engine.in_step
+            self.engine.discard_gradients(set_to_none)
+            if dropped:  # the scaled backward that fed the dropped step is not the next one's (_warn_unscaled_backward)
+                self._scale_taken = False
 
     @run_eagerly("the speculative optimizer's state_dict() runs eagerly: dynamo cannot trace the offload engine "
                  "(call it outside a fullgraph=True function, or compile without fullgraph)")
