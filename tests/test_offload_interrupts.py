@@ -428,11 +428,13 @@ def test_ctrl_c_at_every_line_of_the_facades_calls_keeps_its_bookkeeping(tmp_pat
     """A Ctrl-C raised as ``step()``'s engine step ended (held back there until its state was whole), or before the
     facade noted it, left ``last_report`` the step's before (its report lost) and the note that this step's backward
     was scaled standing, so that the next unscaled ``loss.backward()`` was not warned of; ``zero_grad()`` likewise
-    left that note of the step it dropped. The facade's bookkeeping now goes with the engine's call, Ctrl-C held back
-    over both."""
+    left that note of the step it dropped, and ``load_state_dict()`` loaded the engine's state (step counts, moments,
+    loss scale) but not the saved groups' hparams. The facade's bookkeeping now goes with the engine's call, Ctrl-C
+    held back over both."""
     script = tmp_path / "facade_calls.py"
     script.write_text(_FACADE_CALLS)
-    out = subprocess.run([sys.executable, str(script), "inline", "step", "zero_grad", "backward", "state_dict"],
+    out = subprocess.run([sys.executable, str(script), "inline", "step", "zero_grad", "backward", "state_dict",
+                          "load_state_dict"],
                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stderr[-3000:]
     fired, said = out.stdout.splitlines()

@@ -966,9 +966,11 @@ class _SpeculativeBase(torch.optim.Optimizer):
         loaded = [self._loaded_group(saved, g) for saved, g in zip(copy.deepcopy(groups), self.param_groups)]
         for i, group in enumerate(loaded):
             self._check_loaded_group(group, f"saved param_groups[{i}]")
-        # the engine checks its whole state before it changes anything; the groups cannot fail after it
-        self.engine.load_state_dict(state_dict["state"], where="state_dict['state']")
-        self.param_groups = loaded
+        # the engine checks its whole state before it changes anything; the groups cannot fail after it. Ctrl-C held
+        # back over both: raised as the engine's load ended, it left the engine's state loaded and the groups not
+        with self.engine.interrupts:
+            self.engine.load_state_dict(state_dict["state"], where="state_dict['state']")
+            self.param_groups = loaded
 
     def _loaded_group(self, saved: Mapping[str, Any], group: Mapping[str, Any]) -> dict[str, Any]:
         """The group that replaces ``group`` on loading (a copy of) ``saved``, as ``torch.optim``'s
