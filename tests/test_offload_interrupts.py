@@ -370,8 +370,11 @@ for i in range(2):  # the state dict of iteration 1, whose lr is 2e-2: a load sh
         saved = opt.state_dict()
         saved["param_groups"][0]["lr"] = 2e-2
 
-def unwrapped(*functions):
-    return line_targets([inspect.unwrap(f) for f in functions])
+def unwrapped(*functions):  # (code, line) of each line with code of the functions but their first
+    import dis
+
+    codes = [inspect.unwrap(f).__code__ for f in functions]
+    return [(c, n) for c in codes for n in sorted({n for _, n in dis.findlinestarts(c) if n and n > c.co_firstlineno})]
 
 made = {"step": (lambda: opt.step(), unwrapped(F.step, E.step)),
         "zero_grad": (lambda: opt.zero_grad(), unwrapped(F.zero_grad, E.discard_gradients)),
