@@ -166,6 +166,19 @@ def local(frame, event, arg):  # a SIGINT sent as this line is about to run, onc
 
 def calls(frame, event, arg):
     return local if armed is not None and frame.f_code is armed[0] else None
+
+def interrupted_at(target, call):  # call() with a SIGINT sent as target is about to run, caught; whether it was sent
+    global armed
+    armed = target
+    try:
+        sys.settrace(calls)
+        call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(None)
+        sent, armed = armed is None, None
+    return sent
 """
 
 
@@ -320,16 +333,7 @@ for i, target in enumerate(targets):
         opt.zero_grad()
         if name in ("step", "zero_grad"):
             opt.backward(loss(model, x, y))
-        armed = target
-        try:
-            sys.settrace(calls)
-            call()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-            fired += armed is None
-            armed = None
+        fired += interrupted_at(target, call)
         opt.zero_grad()  # the script goes on: a whole iteration
         opt.backward(loss(model, x, y))
         opt.step()
@@ -405,16 +409,8 @@ for name in sys.argv[2:]:
         opt.zero_grad()
         if name in ("step", "zero_grad"):
             opt.backward(loss(model, x, y))
-        armed, before = target, (opt.engine.iteration, opt.last_report)
-        try:
-            sys.settrace(calls)
-            call()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-            fired[name] += armed is None
-            armed = None
+        before = (opt.engine.iteration, opt.last_report)
+        fired[name] += interrupted_at(target, call)
         wrong += disagree(name, f"{target[0].co_name}:{target[1]}", before)
         opt.zero_grad()  # the script goes on: a whole iteration
         opt.param_groups[0]["lr"] = 1e-2
