@@ -2202,11 +2202,12 @@ TORCH_FLAG_OPTIONS = ("amsgrad", "maximize", "foreach", "fused", "capturable", "
 def is_torch_flag(name: str, value: Any) -> bool:
     """Whether ``value`` is a value of torch.optim's on/off option ``name`` (:data:`TORCH_FLAG_OPTIONS`) that
     says on or off: a bool (Python's or numpy's), the int 0 or 1, or None (off, or torch's choice) -- but for
-    ``differentiable``, which torch's step hands to ``torch.set_grad_enabled`` (a TypeError for any but a bool). A
-    str (``"False"``, true to ``if group[name]:``), another number, a tensor or a container is none."""
-    if is_bool(value):
-        return True
-    return name != "differentiable" and (value is None or (type(value) is int and value in (0, 1)))
+    ``differentiable``, which torch's step hands to ``torch.set_grad_enabled``: a Python bool only (a TypeError
+    there for any other, ``np.False_`` too). A str (``"False"``, true to ``if group[name]:``), another number, a
+    tensor or a container is none."""
+    if name == "differentiable":
+        return type(value) is bool
+    return is_bool(value) or value is None or (type(value) is int and value in (0, 1))
 
 
 def torch_non_flag(options: Mapping[str, Any]) -> str | None:

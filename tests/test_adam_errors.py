@@ -427,8 +427,9 @@ def test_a_torch_option_that_is_no_flag_is_refused_naming_it(make, key, value):
     """sofx.adam/adamw took torch.optim's flags by their truth or not at all: decoupled_weight_decay="False" was
     refused as 'is AdamW's decoupled weight decay; use sofx.adamw', amsgrad="False" as 'not supported (only
     torch.optim's default, False)', and foreach="False", differentiable="False" or None were taken without a word
-    (torch's step refuses a differentiable that is no bool). Each is refused naming the option and its value; None
-    (but for differentiable), a bool (numpy's too) and 0 or 1 are flags, taken as torch takes them."""
+    (torch's step refuses a differentiable that is no bool). Each is refused naming the option and its value; None,
+    a bool (numpy's too) and 0 or 1 are flags, taken as torch takes them, but for differentiable, a Python bool
+    only (torch.set_grad_enabled(np.False_) is a TypeError at torch's step)."""
     np = pytest.importorskip("numpy")
     if key == "decoupled_weight_decay" and make is sofx.adamw:
         return  # (no option of sofx.adamw, nor of torch.optim.AdamW)
@@ -436,8 +437,12 @@ def test_a_torch_option_that_is_no_flag_is_refused_naming_it(make, key, value):
                                                     r"no flag; expected True or False"):
         make(**{key: value})
     for taken in ((0, np.bool_(False), False) if key in ("amsgrad", "maximize", "decoupled_weight_decay") else
-                  (True, np.bool_(False)) if key == "differentiable" else (None, 1, np.bool_(True))):
+                  (True, False) if key == "differentiable" else (None, 1, np.bool_(True))):
         assert make(**{key: taken}).variant.decoupled is (make is sofx.adamw)
+    if key == "differentiable":
+        with pytest.raises(sofx.UnsupportedError, match=rf"^sofx\.{make.__name__}: differentiable=np\.False_ is no "
+                                                        r"flag; expected True or False"):
+            make(differentiable=np.bool_(False))
 
 
 @pytest.mark.parametrize("make, torch_cls", [(sofx.adam, torch.optim.Adam), (sofx.adamw, torch.optim.AdamW)],

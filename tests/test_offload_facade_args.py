@@ -431,7 +431,8 @@ def test_a_lazy_modules_uninitialized_parameter_is_refused_at_construction_namin
 # step hands differentiable to set_grad_enabled, a TypeError for any but a bool)
 _NO_FLAGS = [("decoupled_weight_decay", "False"), ("decoupled_weight_decay", "True"), ("amsgrad", "False"),
              ("maximize", 2), ("foreach", "False"), ("fused", "False"), ("capturable", 0.0),
-             ("differentiable", None), ("differentiable", 0), ("amsgrad", torch.tensor(False))]
+             ("differentiable", None), ("differentiable", 0), ("differentiable", np.bool_(False)),
+             ("amsgrad", torch.tensor(False))]
 
 
 @pytest.mark.parametrize("cls", [sofx.offload.SpeculativeAdam, sofx.offload.SpeculativeAdamW],
@@ -442,8 +443,9 @@ def test_a_torch_option_that_is_no_flag_is_refused_naming_it(cls, key, value):
     as 'a SpeculativeAdam has L2 weight decay; use SpeculativeAdamW', SpeculativeAdamW's "False" taken as its own
     decay, foreach="False" or fused="False" as set, and capturable=0.0, differentiable=None or 0 (torch's step
     raises a TypeError for it) taken as off without a word. Each is refused naming the option and the value, in
-    the constructor's arguments and in a group; bools (numpy's too), 0, 1 and None (but for differentiable) are
-    taken as torch takes them."""
+    the constructor's arguments and in a group; bools (numpy's too), 0, 1 and None are taken as torch takes them,
+    but for differentiable, a Python bool only (torch.set_grad_enabled(np.False_) is a TypeError at torch's
+    step)."""
     model = torch.nn.Linear(2, 2)
     pattern = rf"\['{key}'\] = {re.escape(repr(value))} is no flag; expected True or False"
     with pytest.raises(sofx.UnsupportedError, match=rf"^defaults{pattern}"):
@@ -452,6 +454,6 @@ def test_a_torch_option_that_is_no_flag_is_refused_naming_it(cls, key, value):
         cls([{"params": list(model.parameters()), key: value}], executor="inline")
     decoupled = cls is sofx.offload.SpeculativeAdamW
     taken = {"decoupled_weight_decay": np.bool_(decoupled), "amsgrad": 0, "maximize": np.bool_(False),
-             "foreach": 1, "fused": None, "capturable": False, "differentiable": np.bool_(False)}[key]
+             "foreach": 1, "fused": None, "capturable": False, "differentiable": False}[key]
     with cls(model.parameters(), executor="inline", **{key: taken}) as opt:
         assert opt.param_groups[0][key] is taken

@@ -44,7 +44,7 @@ both set; ``capturable=True`` without ``fused`` over CPU parameters); ``amsgrad`
 ``differentiable`` set, or a ``decoupled_weight_decay`` other than the
 class's, are refused (at construction, at every step, and in
 ``load_state_dict``) rather than ignored, and so is a value of any of these options that is no flag (a bool, 0,
-1 or None; ``differentiable`` a bool, as torch's step takes it): a str ``"False"``, which torch takes as on,
+1 or None; ``differentiable`` a Python bool, as torch's step takes it): a str ``"False"``, which torch takes as on,
 is refused naming the option. A tensor ``lr`` (or tensor ``betas``) is read as the Python number
 it holds, as :class:`sofx.AdamHParams` reads one: the step is ``torch.optim``'s with that float (torch's own
 for-loop step with the tensor rounds ``lr * weight_decay`` and ``lr / bias_correction1``, or ``1 - beta`` and
