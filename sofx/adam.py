@@ -71,7 +71,8 @@ from sofx.undo_record import LOSSY_REASON, NOT_FINITE_REASON, LeafUndo, UndoReco
 
 __all__ = ["AdamHParams", "AdamState", "Adam", "adam", "adamw", "ALGEBRAIC_MIN_BETA", "ALGEBRAIC_MIN_DIVISOR",
            "check_hparam_value", "check_float32_range", "check_step_size", "TORCH_MATH_OPTIONS", "refused_torch_option",
-           "TORCH_FLAG_OPTIONS", "torch_non_flag", "torch_betas", "hparams_at", "validate_grads_finite"]
+           "TORCH_FLAG_OPTIONS", "torch_non_flag", "torch_flag_values", "torch_betas", "hparams_at",
+           "validate_grads_finite"]
 
 # Below this beta the algebraic inverse divides by a small number and loses
 # more than float32 rounding; ``undo="auto"`` snapshots instead.
@@ -2219,6 +2220,13 @@ def torch_non_flag(options: Mapping[str, Any]) -> str | None:
                 None)
 
 
+def torch_flag_values(name: str) -> str:
+    """The values torch.optim's on/off option ``name`` takes (:func:`is_torch_flag`), as a refusal of a value that is
+    no flag says them: True or False for ``differentiable`` (a Python bool), True, False or None for the others (None:
+    off, or torch picks; 0 and 1 are taken too, as torch takes them)."""
+    return "True or False" if name == "differentiable" else "True, False or None"
+
+
 def option_truth(value: Any) -> bool | None:
     """``bool(value)``, the truth torch.optim takes an on/off option by (``if group["amsgrad"]:``), or None where
     ``value`` has none (a tensor or numpy array of several elements: torch's bare RuntimeError, numpy's ValueError),
@@ -2263,7 +2271,7 @@ def _refuse_torch_options(who: str, options: Mapping[str, Any], decoupled: bool)
     are refused where they are no flag (:func:`torch_non_flag`), else ignored (see :func:`adam`)."""
     odd = torch_non_flag(options)
     if odd is not None:
-        raise UnsupportedError(f"{who}: {odd}={options[odd]!r:.80} is no flag; expected True or False")
+        raise UnsupportedError(f"{who}: {odd}={options[odd]!r:.80} is no flag; expected {torch_flag_values(odd)}")
     name = refused_torch_option(options)
     if name is not None:
         raise UnsupportedError(f"{who}: {name}={options[name]!r} is not supported (only torch.optim's default, "

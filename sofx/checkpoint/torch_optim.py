@@ -40,7 +40,7 @@ import optree
 import torch
 
 from sofx import tree
-from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option, torch_non_flag
+from sofx.adam import Adam, AdamHParams, AdamState, refused_torch_option, torch_flag_values, torch_non_flag
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError
 from sofx.checkpoint.groups import (ParamGroup, check_float32_groups, check_params_template, hparams_tree,
                                     is_saved_flag, refuse_uninitialized, resolve_groups, saved_hparams)
@@ -258,8 +258,9 @@ def _like_entries(like: Any, sizes: list[int]) -> list[dict]:
     for gi, group in enumerate(found):  # (kept: torch's step reads them, "False" as on)
         odd = torch_non_flag({k: v for k, v in group.items() if k not in _EXPORTED_KEYS})
         if odd is not None:
-            raise CheckpointError(f"to_torch_optim: like's param_groups[{gi}]['{odd}']: expected True or False, got "
-                                  f"{group[odd]!r:.80} (kept in the export, which torch's step reads)")
+            raise CheckpointError(f"to_torch_optim: like's param_groups[{gi}]['{odd}']: expected "
+                                  f"{torch_flag_values(odd)}, got {group[odd]!r:.80} (kept in the export, which "
+                                  "torch's step reads)")
     return [{k: copy.deepcopy(v) for k, v in group.items() if k not in _EXPORTED_KEYS} for group in found]
 
 
@@ -351,8 +352,8 @@ def _check_group_flags(opt: Adam, group: dict, gi: int) -> None:
     # foreach, fused, capturable and differentiable are carried on by to_torch_optim(like=...) to torch's step)
     key = torch_non_flag(group)
     if key is not None:
-        raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected True or False, got "
-                              f"{group[key]!r:.80}")
+        raise CheckpointError(f"from_torch_optim: param_groups[{gi}]['{key}']: expected {torch_flag_values(key)}, "
+                              f"got {group[key]!r:.80}")
     name = refused_torch_option(group)
     if name is not None:
         raise UnsupportedError(f"from_torch_optim: param_groups[{gi}]: {name}={group[name]!r} is not supported "

@@ -912,7 +912,8 @@ def _read_rank(path: str, rank: int, world: int, resolved: list[ParamGroup], p_l
             # optimizer's 'bias_correction=None, the optimizer has True')
             if key in saved and (saved[key] is not None or key == "bias_correction") \
                     and not is_saved_flag(saved[key]):
-                raise CorruptCheckpointError(f"{where}: param_groups[{gi}]['{key}']: expected True or False, got "
+                taken = "True or False" if key == "bias_correction" else "True, False or None"
+                raise CorruptCheckpointError(f"{where}: param_groups[{gi}]['{key}']: expected {taken}, got "
                                              f"{saved[key]!r:.80}")
         if saved.get("bias_correction", True) != opt.variant.bias_correction:
             raise UnsupportedError(f"{where}: bias_correction={saved.get('bias_correction')}, the optimizer has "

@@ -167,7 +167,8 @@ from typing import Any, Callable, Iterable, Iterator, TypeVar, overload
 import torch
 
 from sofx.adam import (TORCH_MATH_OPTIONS, Adam, AdamHParams, check_float32_range, refuse_eps_held_as_0,
-                       refuse_half_precision, refused_torch_option, torch_betas, torch_non_flag)
+                       refuse_half_precision, refused_torch_option, torch_betas, torch_flag_values,
+                       torch_non_flag)
 from sofx.errors import HParamError, SofxError, StructureError, UnsupportedError
 from sofx.kernels.base import as_number, is_numpy_real
 from sofx.kernels.storage import in_storage, refuse_short_storage
@@ -299,7 +300,8 @@ def check_group_flags(group: Mapping[str, Any], where: str, decoupled: bool) -> 
     a str ``"False"``, true to torch's ``if group[...]:``) is refused first, naming it."""
     odd = torch_non_flag(group)
     if odd is not None:
-        raise UnsupportedError(f"{where}[{odd!r}] = {group[odd]!r:.80} is no flag; expected True or False")
+        raise UnsupportedError(f"{where}[{odd!r}] = {group[odd]!r:.80} is no flag; expected "
+                               f"{torch_flag_values(odd)}")
     check_foreach_tensors(group, where)
     check_capturable_devices(group, where)
     if "max_grad_norm" in group:
