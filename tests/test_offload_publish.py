@@ -23,8 +23,9 @@ from test_offload_support import SharedMLP, mlp_batch, mlp_loss, one_torch_threa
 from torch import nn
 
 import sofx.offload
-from sofx.adam import Adam, AdamHParams
+from sofx.adam import Adam, AdamHParams, AdamState
 from sofx.errors import LeafError
+from sofx.speculate import Eligibility, block_eligibility
 from sofx.offload.block_runner import combined_eligibility, uses_flat_layout
 from sofx.offload.blocks import allocate_block_tensors, plan_blocks
 from sofx.offload.arena import LocalArena
@@ -326,6 +327,24 @@ def test_eligibility_told_the_gradients_are_finite_equals_eligibility_that_reads
     expected = {"plain": ("algebraic", False), "missing": ("algebraic", False), "beta1_zero": ("snapshot", True),
                 "bf16_state": ("snapshot", True), "lr_wd_one": ("param_snapshot", True)}[case]
     assert seen == {expected}
+
+
+def test_a_block_without_any_gradient_is_ineligible_as_the_speculation_layer_says() -> None:
+    """A tree block none of whose parameters has a gradient came back from combined_eligibility eligible
+    "algebraic", where sofx.speculation.block_eligibility says such a block ineligible ("no gradient"):
+    speculative_block_step refuses a step that would take nothing, and validation steps no such block. The two
+    agree."""
+    params = [torch.randn(5, 3), torch.randn(7)]
+    adam = Adam(AdamHParams(1e-3, 0.9, 0.999, 1e-8, 0.0), decoupled=True)
+    (layout,) = plan_blocks([params], 100)
+    t = allocate_block_tensors(layout, LocalArena("cpu").allocate, torch.float32)
+    hp = AdamHParams(1e-3, 0.9, 0.999, 1e-8, 0.1)
+    for grads in (None, (torch.randn(15), torch.randn(7))):
+        got = combined_eligibility(adam, t, layout, False, (False, False), hp, 0.5, grads)
+        want = block_eligibility(adam, [t.master[:15], t.master[15:]], [None, None],
+                                 AdamState([t.counts[0], t.counts[1]], [t.exp_avg[:15], t.exp_avg[15:]],
+                                           [t.exp_avg_sq[:15], t.exp_avg_sq[15:]]), hp, 0.5)
+        assert got == want == Eligibility(False, None, "no gradient", 0)
 
 
 def test_step_helps_the_worker_with_queued_speculative_steps() -> None:

@@ -132,7 +132,9 @@ def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: 
     """The block's :class:`~sofx.speculate.Eligibility` (per parameter, combined, when not flat).
 
     ``finite=True``: the caller knows every gradient of the block is finite (its sum of squares is);
-    the gradients are then not read again.
+    the gradients are then not read again. A block none of whose parameters has a gradient is ineligible ("no
+    gradient"), as :func:`sofx.speculation.apply.block_eligibility` says: a speculative step would take nothing
+    (``speculative_block_step`` refuses it), and validation steps no such block.
     """
     params, grads, state = block_tree(t, layout, flat, present, grads)
     if flat:
@@ -140,7 +142,7 @@ def combined_eligibility(opt: Adam, t: BlockTensors, layout: BlockLayout, flat: 
     combined = combine_eligibilities(_leaf_eligibility(opt, p, g, AdamState(c, m, v), hparams, grad_scale, finite)
                                      for p, g, c, m, v in zip(params, grads, state.count, state.mu, state.nu)
                                      if g is not None)
-    return Eligibility(True, "algebraic", "", 0) if combined is None else combined
+    return Eligibility(False, None, "no gradient", 0) if combined is None else combined
 
 
 @dataclass
