@@ -86,8 +86,9 @@ def unflatten(spec: TreeSpec, leaves: Sequence[Any]) -> PyTree:
     # taken as the leaves without a word. A list, the common case in every update, is checked by its type alone)
     if type(leaves) is not list and (not isinstance(leaves, collections.abc.Iterable) or
                                      isinstance(leaves, (collections.abc.Mapping, collections.abc.Set, str, bytes))):
-        raise TypeError(f"unflatten: leaves is {article(type(leaves).__name__)}, expected a sequence of "
-                        f"{spec.num_leaves} leaves")
+        n = spec.num_leaves
+        raise TypeError(f"unflatten: leaves is {article(type(leaves).__name__)}, expected a sequence of {n} "
+                        f"{'leaf' if n == 1 else 'leaves'}")
     return optree.tree_unflatten(spec, list(leaves))
 
 
@@ -227,7 +228,8 @@ def spec_text(spec: TreeSpec) -> str:
     try:
         return str(spec)
     except ValueError:
-        return f"PyTreeSpec({article(spec.type.__name__)} of {spec.num_leaves} leaves)"
+        n = spec.num_leaves
+        return f"PyTreeSpec({article(spec.type.__name__)} of {n} {'leaf' if n == 1 else 'leaves'})"
 
 
 def _is_treespec(x: Any) -> bool:

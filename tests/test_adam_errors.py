@@ -572,7 +572,7 @@ def test_a_record_of_another_structure_with_a_huge_int_key_is_named():
     other = {"w": torch.randn(3)}
     state = opt.init(other)
     with pytest.raises(sofx.UndoError,
-                       match=r"\(the record's: PyTreeSpec\(a dict of 1 leaves\), params: PyTreeSpec\(\{'w'"):
+                       match=r"\(the record's: PyTreeSpec\(a dict of 1 leaf\), params: PyTreeSpec\(\{'w'"):
         opt.undo(other, state, rec)
 
 @pytest.mark.parametrize("donate", [False, True])

@@ -351,6 +351,8 @@ def test_structure_difference_refuses_a_tree_given_as_the_spec_and_unflatten_lea
         tree.unflatten(spec, 5)
     assert tree.structure_difference(spec, {"w": 1}) == "params has entries ['w'], expected ['b', 'w']"
     assert tree.unflatten(spec, iter([1, 2])) == {"w": 2, "b": [1]}
+    with pytest.raises(TypeError, match=r"^unflatten: leaves is an int, expected a sequence of 1 leaf$"):
+        tree.unflatten(tree.flatten({"w": 1})[1], 5)  # (not '1 leaves')
 
 
 def test_unflatten_refuses_leaves_given_as_a_mapping_a_set_or_a_string():
@@ -467,9 +469,9 @@ def test_a_structure_difference_under_a_huge_int_key_is_named_in_hex():
 @pytest.mark.skipif(not hasattr(sys, "get_int_max_str_digits"), reason="this Python writes ints of any size in decimal")
 def test_spec_text_of_a_spec_with_a_huge_int_key_names_its_root_type_after_its_article():
     """Where Python refuses a spec's text (a key too long for decimal), spec_text wrote 'PyTreeSpec(a OrderedDict of
-    1 leaves)'; sofx.tree.article before the type's name."""
+    1 leaves)'; sofx.tree.article before the type's name, and 'leaf' for one leaf."""
     spec = tree.flatten(collections.OrderedDict([(10 ** 5000, torch.ones(1))]))[1]
-    assert tree.spec_text(spec) == "PyTreeSpec(an OrderedDict of 1 leaves)"
+    assert tree.spec_text(spec) == "PyTreeSpec(an OrderedDict of 1 leaf)"
     assert tree.spec_text(tree.flatten({10 ** 5000: 1, 2: 3})[1]) == "PyTreeSpec(a dict of 2 leaves)"
 
 
