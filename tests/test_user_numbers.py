@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from sofx.errors import HParamError, UnsupportedError
+from sofx.kernels.base import rounds_in_float
 from sofx.kernels.user_numbers import as_integer, finite_number, flag, integer, nonnegative_number, positive_number
 
 from helpers import script_prints_ok
@@ -41,17 +42,29 @@ def test_finite_number_refuses_what_is_no_finite_number_naming_it(value, kind):
 def test_a_numpy_longdouble_no_float_holds_is_refused_naming_it(read):
     """A numpy longdouble config number (max_norm, init_scale, a scaler's factors) with more digits than a float (1/3
     in x86's 80 bits) was read as float() of it, rounded without a word, where update, the defaults and the
-    checkpoint imports refuse it (kernels.base.as_number); refused so, naming it and the float it rounds to. One a
+    checkpoint imports refuse it (kernels.base.as_number); refused so, naming it and the float it rounds to (the
+    message said "sofx computes hparams as Python floats" of these settings too, which are no hparams). One a
     float holds exactly is read as that float."""
     third = np.longdouble(1) / np.longdouble(3)
     if float(third) == third:
         pytest.skip("numpy's longdouble is a double on this platform")
     with pytest.raises(HParamError, match=r"^x = np\.longdouble\('0\.333.*'\) is invalid: a numpy\.longdouble that "
                                           r"no Python float \(a float64\) holds exactly, which float\(\) rounds to "
-                                          r"0\.3333333333333333"):
+                                          r"0\.3333333333333333 \(sofx computes with Python floats\); give float\(x\) "
+                                          r"if that is meant$"):
         read("x", third)
     got = read("x", np.longdouble(0.5))
     assert got == 0.5 and type(got) is float
+
+
+def test_rounds_in_float_is_the_one_test_of_a_numpy_float_no_python_float_holds():
+    """as_number, the checkpoint imports (checkpoint.groups) and the codec each tested ``float(x) != x and x == x``
+    of their own; one predicate, kernels.base.rounds_in_float: nan is no number to round, a float64 and a float32
+    are held."""
+    third = np.longdouble(1) / np.longdouble(3)
+    assert rounds_in_float(third) is (float(third) != third)
+    assert not any(rounds_in_float(x) for x in (np.longdouble(0.5), np.longdouble("nan"), np.float32(0.1),
+                                                np.float64(1e300), np.float64("inf")))
 
 
 @pytest.mark.parametrize("value", [0, 5, np.int64(5), np.uint8(5), torch.tensor(5),

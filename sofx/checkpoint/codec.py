@@ -44,6 +44,7 @@ except ImportError:  # numpy is optional: no numpy scalar can reach the codec th
         pass
 
 from sofx.checkpoint.errors import CheckpointError, CheckpointMismatchError, CorruptCheckpointError
+from sofx.kernels.base import rounds_in_float
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.tree import article as _article  # (the shared wording: checkpoint.known_types imports it from here)
 
@@ -135,7 +136,7 @@ def _encode(x: Any, path: str, out: EncodedTree, depth: int = 0) -> dict:
             return {"k": "bool", "v": bool(x)}
         if isinstance(x, numbers.Integral):
             return _encode(int(x), path, out)
-        if float(x) != x and x == x:  # (a longdouble's extra digits: float() rounded them off without a word)
+        if rounds_in_float(x):  # (a longdouble's extra digits: float() rounded them off without a word)
             raise CheckpointError(f"{path}: a numpy.{type(x).__name__} {x!r:.60} that no Python float holds exactly "
                                   "cannot be stored without rounding; store float(x), or its digits as a str")
         return _encode(float(x), path, out)

@@ -41,7 +41,7 @@ from sofx.adam import (Adam, AdamHParams, _check_param, check_float32_range, ref
                        refuse_half_precision)
 from sofx.checkpoint.errors import CheckpointError
 from sofx.errors import HParamError, LeafError
-from sofx.kernels.base import as_number, check_hparam_range, is_number
+from sofx.kernels.base import as_number, check_hparam_range, is_number, is_numpy_real, rounds_in_float
 from sofx.kernels.storage import in_storage, refuse_short_storage
 from sofx.kernels.user_numbers import is_bool
 
@@ -97,9 +97,8 @@ def one_element(x: Any) -> Any:
 def _refuse_inexact(x: Any, label: str, error: type[CheckpointError]) -> None:
     """Refuse a saved numpy float ``x`` that no Python float holds exactly (a ``longdouble``'s extra digits:
     ``float()`` rounded them off without a word), as :mod:`sofx.checkpoint.codec` refuses to store one: ``error``
-    naming ``label`` and the value."""
-    if type(x).__module__ == "numpy" and isinstance(x, numbers.Real) and not isinstance(x, numbers.Integral) \
-            and float(x) != x and x == x:  # (nan is no number to round)
+    naming ``label`` and the value (:func:`sofx.kernels.base.rounds_in_float`)."""
+    if is_numpy_real(x) and not isinstance(x, numbers.Integral) and rounds_in_float(x):
         raise error(f"{label}: a numpy.{type(x).__name__} {x!r:.60} that no Python float holds exactly cannot be "
                     f"read without rounding (sofx steps with Python floats); store float(x) ({float(x)!r}) if that "
                     "is meant")

@@ -249,17 +249,25 @@ def as_number(x: Scalar, name: TensorName = "a 0-d tensor", error: type[Exceptio
 _UNNAMED = "a 0-d tensor"  # (as_number's name where its caller gives none)
 
 
+def rounds_in_float(x: Any) -> bool:
+    """Whether ``float(x)`` of the numpy float ``x`` is another number than ``x``: a ``longdouble``'s extra digits
+    (1/3 in x86's 80 bits), or one beyond the float range (inf there). nan is no number to round. The one test of
+    :func:`as_number`, the checkpoint imports and the checkpoint codec, each of which refuses such a value."""
+    return float(x) != x and x == x
+
+
 def _exact_float(x: Any, name: TensorName, error: type[Exception]) -> float:
     """The numpy float ``x`` as the Python float that holds it exactly, else ``error`` naming ``name`` and the
-    value: a ``longdouble``'s extra digits (1/3 in x86's 80 bits) were rounded off by ``float()`` without a word,
-    where the checkpoint codec and imports refuse such a value."""
-    f = float(x)
-    if f != x and x == x:  # (nan is no number to round)
+    value (:func:`rounds_in_float`): a ``longdouble``'s extra digits (1/3 in x86's 80 bits) were rounded off by
+    ``float()`` without a word, where the checkpoint codec and imports refuse such a value. Read so are
+    hyperparameters and the configuration numbers of :mod:`sofx.kernels.user_numbers` (a clip norm, a loss
+    scaler's settings)."""
+    if rounds_in_float(x):
         label = name if isinstance(name, str) else name()
         raise error(f"{'' if label == _UNNAMED else f'{label} = '}{x!r:.60} is invalid: a numpy."
                     f"{type(x).__name__} that no Python float (a float64) holds exactly, which float() rounds to "
-                    f"{f!r} (sofx computes hparams as Python floats); give float(x) if that is meant")
-    return f
+                    f"{float(x)!r} (sofx computes with Python floats); give float(x) if that is meant")
+    return float(x)
 
 
 def is_numpy_real(x: object) -> bool:
