@@ -57,6 +57,24 @@ def test_a_numpy_longdouble_no_float_holds_is_refused_naming_it(read):
     assert got == 0.5 and type(got) is float
 
 
+def test_a_number_beyond_the_float_range_is_inf_whether_an_int_or_a_numpy_longdouble():
+    """nonnegative_number takes inf and reads an int beyond the float range as inf; a numpy longdouble beyond it
+    (1e400 in x86's 80 bits) was refused as 'no Python float holds exactly, which float() rounds to inf'. Read as
+    inf as the int is: nonnegative_number takes it, positive_number and finite_number refuse it as they refuse the
+    int (no finite number); -1e400 is below 0."""
+    big = np.longdouble("1e400")
+    if float(big) != math.inf or big == math.inf:
+        pytest.skip("numpy's longdouble has no range beyond a double's on this platform")
+    for value in (10 ** 400, big):
+        assert nonnegative_number("x", value) == math.inf
+        with pytest.raises(HParamError, match=r"^x = .* is invalid; expected a finite number > 0"):
+            positive_number("x", value)
+        with pytest.raises(HParamError, match=r"^x = .* is invalid; expected a finite number \("):
+            finite_number("x", value)
+    with pytest.raises(HParamError, match=r"^x = .* is invalid; expected a number >= 0, inf included"):
+        nonnegative_number("x", -big)
+
+
 def test_rounds_in_float_is_the_one_test_of_a_numpy_float_no_python_float_holds():
     """as_number, the checkpoint imports (checkpoint.groups) and the codec each tested ``float(x) != x and x == x``
     of their own; one predicate, kernels.base.rounds_in_float: nan is no number to round, a float64 and a float32

@@ -49,9 +49,14 @@ def real_number(value: Any, name: TensorName = "a 1-element tensor", error: type
 def _exact_real(value: Any, name: str) -> Any:
     """:func:`real_number` of ``value``, a numpy float read as the Python float that holds it exactly, else an
     :class:`HParamError` naming ``name`` and the value (:func:`~sofx.kernels.base.as_number`: a longdouble's extra
-    digits, 1/3 in x86's 80 bits, were rounded off by ``float()`` without a word)."""
+    digits, 1/3 in x86's 80 bits, were rounded off by ``float()`` without a word). A numpy float beyond the float
+    range (a longdouble's 1e400) is read as inf of its sign, as an int beyond it is: the callers' ranges take or
+    refuse it (it was refused as rounded to inf where :func:`nonnegative_number` takes inf)."""
     x = real_number(value, name)
-    return as_number(x, name) if is_numpy_real(x) and not isinstance(x, numbers.Integral) else x
+    if not is_numpy_real(x) or isinstance(x, numbers.Integral):
+        return x
+    f = float(x)
+    return f if f in (math.inf, -math.inf) else as_number(x, name)
 
 
 def _described(value: Any) -> str:
@@ -65,8 +70,9 @@ def _described(value: Any) -> str:
 
 def positive_number(name: str, value: Any) -> float:
     """``value`` as a Python float where it is a finite real number > 0 (:func:`real_number`: a Python or numpy
-    number, a 1-element readable tensor), else an :class:`HParamError` naming ``name``, the value and its type (a
-    numpy float no Python float holds exactly too, :func:`_exact_real`).
+    number, a 1-element readable tensor; an int or numpy float beyond the float range is inf, no finite number),
+    else an :class:`HParamError` naming ``name``, the value and its type (a numpy float no Python float holds
+    exactly too, :func:`_exact_real`).
 
     Converted once where a configuration is built, so that the arithmetic downstream is on Python floats (a
     tensor kept as given made every number computed from it a tensor)."""
@@ -83,7 +89,7 @@ def positive_number(name: str, value: Any) -> float:
 
 def nonnegative_number(name: str, value: Any, hint: str = "") -> float:
     """``value`` as a Python float where it is a real number >= 0, inf included (:func:`real_number`: a Python or
-    numpy number, a 1-element readable tensor; an int beyond the float range is inf), else an
+    numpy number, a 1-element readable tensor; an int or a numpy float beyond the float range is inf), else an
     :class:`HParamError` naming ``name``, the value and its type (``hint``: what the values mean, in the message; a
     numpy float no Python float holds exactly too, :func:`_exact_real`)."""
     x = _exact_real(value, name)
@@ -99,7 +105,8 @@ def nonnegative_number(name: str, value: Any, hint: str = "") -> float:
 
 def finite_number(name: str, value: Any) -> int | float:
     """``value`` as a Python int or float where it is a finite real number (:func:`real_number`: a Python or
-    numpy number, a 1-element readable tensor; an integer stays an int), else an :class:`HParamError` naming
+    numpy number, a 1-element readable tensor; an integer stays an int; one beyond the float range, an int or a
+    numpy float, is no finite number), else an :class:`HParamError` naming
     ``name``, the value and its type (a numpy float no Python float holds exactly too, :func:`_exact_real`).
 
     Read once where a configuration is built (a numpy ``float32`` was refused, a tensor kept as given)."""
