@@ -816,3 +816,66 @@ def test_a_call_from_a_signal_handler_inside_close_with_a_dropped_close_pending_
     assert len(outcome) == 1 and "being closed" in outcome[0], outcome
     opt.close()
     assert engine._closed
+
+
+def _ctrl_c_at(code, line: int, call, times: int = 1) -> bool:
+    """``call()`` with ``times`` SIGINTs sent as ``line`` of ``code`` is about to run (a trace function, in this
+    process: the test's handler raises ``KeyboardInterrupt``), the interrupt caught; whether they were sent."""
+    import signal
+
+    sent = []
+
+    def local(frame, event, arg):
+        if event == "line" and not sent and frame.f_code is code and frame.f_lineno == line:
+            sent.append(line)
+            for _ in range(times):
+                os.kill(os.getpid(), signal.SIGINT)
+        return local
+
+    before = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local if frame.f_code is code else None)
+    try:
+        call()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        sys.settrace(before)
+    return bool(sent)
+
+
+def _code_lines(fn) -> list[int]:
+    """The lines with code of ``fn`` (unwrapped) but its ``def`` line."""
+    import dis
+    import inspect
+
+    code = inspect.unwrap(fn).__code__
+    return sorted({n for _, n in dis.findlinestarts(code) if n and n > code.co_firstlineno})
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_ctrl_c_inside_taking_the_loss_scale_notes_no_scaled_backward_it_did_not_read(monkeypatch):
+    """``_take_loss_scale`` noted that a backward is scaled before it read the scale: a Ctrl-C in between left the
+    note standing with no scale read (so no scaled backward), and the next unscaled ``loss.backward()`` went
+    unwarned. The note now follows the read."""
+    import inspect
+
+    import torch
+
+    import sofx.offload
+    from sofx.offload.engine import OffloadEngine
+    from sofx.offload.facade import _SpeculativeBase as F
+
+    reads = []
+    scale = OffloadEngine.loss_scale
+    monkeypatch.setattr(OffloadEngine, "loss_scale", property(lambda self: reads.append(1) or scale.fget(self)))
+    opt = sofx.offload.SpeculativeAdamW(torch.nn.Linear(4, 4).parameters(), executor="inline", loss_scale="dynamic")
+    code = inspect.unwrap(F._take_loss_scale).__code__
+    try:
+        for line in _code_lines(F._take_loss_scale):
+            reads.clear()
+            opt._scale_taken = False
+            assert _ctrl_c_at(code, line, lambda: opt.loss_scale)
+            assert reads or not opt._scale_taken, f"line {line - code.co_firstlineno}: noted, no scale read"
+    finally:
+        opt.close()
+

@@ -1034,8 +1034,9 @@ class _SpeculativeBase(torch.optim.Optimizer):
     def _take_loss_scale(self) -> float:
         """The engine's loss scale, noting that the caller scales a backward with it (see
         :meth:`_warn_unscaled_backward`)."""
+        scale = self.engine.loss_scale  # (read first: a Ctrl-C between the two left the note with no scale read)
         self._scale_taken = True
-        return self.engine.loss_scale
+        return scale
 
     def _warn_unscaled_backward(self) -> None:
         """Warn where loss scaling is on and gradients arrived, but no backward since the last step (or the last
