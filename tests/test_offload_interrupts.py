@@ -879,3 +879,41 @@ def test_ctrl_c_inside_taking_the_loss_scale_notes_no_scaled_backward_it_did_not
     finally:
         opt.close()
 
+
+class _Replicas:
+    """Stands for the ddp ranks' comparison: notes the changes it is told of."""
+
+    decision = None
+
+    def __init__(self) -> None:
+        self.told: list = []
+
+    def changed(self, contents) -> None:
+        self.told.append(tuple(contents))
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_ctrl_c_as_the_speculation_setting_changes_is_told_to_the_ranks_with_it():
+    """``set_speculation`` set the engine's setting, then noted the change for the ranks to compare at the next step
+    (``ddp``): a Ctrl-C between the two left the setting changed unnoted, so the ranks stepped on without comparing
+    it (one rank speculating, the others not). Ctrl-C is held back over both."""
+    import torch
+
+    import sofx.offload
+    from sofx.offload.engine import OffloadEngine
+
+    code = OffloadEngine.set_speculation.__code__
+    opt = sofx.offload.SpeculativeAdamW(torch.nn.Linear(4, 4).parameters(), executor="inline")
+    fired = 0
+    try:
+        for line in _code_lines(OffloadEngine.set_speculation):
+            for _ in range(2):  # off, then on again
+                opt.engine._replicas = replicas = _Replicas()
+                before = opt.engine.speculation.enabled
+                fired += _ctrl_c_at(code, line, lambda: opt.engine.set_speculation(not before))
+                if opt.engine.speculation.enabled != before:
+                    assert replicas.told, f"line {line - code.co_firstlineno}: set, not told"
+        assert fired >= 6
+    finally:
+        opt.engine._replicas = None
+        opt.close()

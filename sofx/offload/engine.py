@@ -625,8 +625,9 @@ class OffloadEngine:
         self._check_usable()
         if enabled == self.speculation.enabled:
             return
-        self.speculation = dataclasses.replace(self.speculation, enabled=enabled)
-        self._state_changed()
+        with self._interrupts:  # (a Ctrl-C between the two left the setting changed and the ranks not told)
+            self.speculation = dataclasses.replace(self.speculation, enabled=enabled)
+            self._state_changed()
 
     def reload_params(self) -> None:
         """Take the model's current parameter values as the new masters (after loading model weights)."""
