@@ -148,9 +148,9 @@ def test_a_script_that_catches_ctrl_c_and_goes_on_trains_as_torch_optim(executor
 _TRACER = r"""
 import inspect
 
-def line_targets(functions):  # (code, line) of every line of the functions but their first
+def line_targets(functions):  # (code, line) of every line of the functions (unwrapped) but their first
     out = []
-    for f in functions:
+    for f in map(inspect.unwrap, functions):
         lines, first = inspect.getsourcelines(f)
         out += [(f.__code__, first + k) for k in range(1, len(lines))]
     return out
@@ -917,3 +917,67 @@ def test_ctrl_c_as_the_speculation_setting_changes_is_told_to_the_ranks_with_it(
     finally:
         opt.engine._replicas = None
         opt.close()
+
+
+
+@pytest.mark.parametrize("call", ["load_state_dict", "state_dict", "reload_params", "state[p] =", "state = {}"])
+@pytest.mark.usefixtures("terminal_sigint")
+def test_a_second_ctrl_c_in_a_grad_mode_switch_of_a_state_call_leaves_grad_mode_as_it_was(call):
+    """The state calls copy into the blocks and the parameters inside ``torch.no_grad()`` blocks, Ctrl-C held back
+    there (``load_state_dict()``, ``state_dict()`` after an in-place edit of a parameter, ``reload_params()``,
+    ``opt.state`` writes): a second Ctrl-C (which goes through at once) raised in ``no_grad``'s ``__enter__`` after
+    the switch, or as its ``__exit__`` began, left grad mode off, and the script that caught it failed in its next
+    backward ("element 0 of tensors does not require grad"). Ctrl-C twice at every line and return of torch's
+    grad-mode code the call reaches, a fresh optimizer each time (a second Ctrl-C breaks one): grad mode is on
+    after each."""
+    import signal
+
+    import torch
+
+    import sofx.offload
+
+    grad_mode = torch.autograd.grad_mode.__file__
+    model = torch.nn.Linear(4, 4)
+    p = model.weight
+    opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
+    saved = opt.state_dict()
+    opt.close()
+    made = {"load_state_dict": lambda: opt.load_state_dict(saved), "state_dict": lambda: opt.state_dict(),
+            "reload_params": lambda: opt.reload_params(),
+            "state[p] =": lambda: opt.state.__setitem__(
+                p, {"step": torch.tensor(1.0), "exp_avg": torch.ones(4, 4), "exp_avg_sq": torch.ones(4, 4)}),
+            "state = {}": lambda: setattr(opt, "state", {})}
+    left_off, k = [], 0
+    while k < 200:
+        opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
+        if call == "state_dict":
+            with torch.no_grad():
+                p.mul_(1.0)  # (edited in place: taken as its master)
+        seen = [0]
+
+        def local(frame, event, arg):
+            if event in ("line", "return") and seen[0] >= 0:
+                if seen[0] == k:
+                    seen[0] = -1
+                    os.kill(os.getpid(), signal.SIGINT)  # held back
+                    os.kill(os.getpid(), signal.SIGINT)  # through at once
+                    return local
+                seen[0] += 1
+            return local
+
+        before = sys.gettrace()
+        sys.settrace(lambda frame, event, arg: local if frame.f_code.co_filename == grad_mode else None)
+        try:
+            made[call]()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(before)
+        if not torch.is_grad_enabled():
+            left_off.append(k)
+            torch.set_grad_enabled(True)
+        opt.close()
+        if seen[0] >= 0:  # the call reached no k-th event: all were tried
+            break
+        k += 1
+    assert k >= 10 and not left_off, (k, left_off)

@@ -629,6 +629,7 @@ class OffloadEngine:
             self.speculation = dataclasses.replace(self.speculation, enabled=enabled)
             self._state_changed()
 
+    @without_grad  # (a second Ctrl-C in a torch.no_grad() of its copies left grad mode off)
     def reload_params(self) -> None:
         """Take the model's current parameter values as the new masters (after loading model weights)."""
         self._check_usable()
@@ -1720,6 +1721,7 @@ class OffloadEngine:
         return self._interrupts
 
     # ------------------------------------------------------------ state
+    @without_grad  # (a second Ctrl-C in a torch.no_grad() of its copies left grad mode off)
     def state_dict(self) -> dict[str, Any]:
         """The engine's complete state: a plain pytree of tensors and JSON-able values.
 
@@ -1775,6 +1777,7 @@ class OffloadEngine:
                             "one before the step nor the one after it; close it after step() or zero_grad() to save "
                             "its state")
 
+    @without_grad  # (a second Ctrl-C in a torch.no_grad() of its copies left grad mode off)
     def load_state_dict(self, state: dict[str, Any], where: str = "state") -> None:
         """Restore :meth:`state_dict`'s output (checked whole first: nothing changes on a mismatch, the error
         names the entry as ``where`` + its keys); the masters are copied into the model's parameters."""
@@ -1897,6 +1900,7 @@ class OffloadEngine:
         views = (t.counts[slot], t.exp_avg[sl].view(shape), t.exp_avg_sq[sl].view(shape), t.master[sl].view(shape))
         return dict(zip(PARAM_STATE_KEYS, views))
 
+    @without_grad  # (a second Ctrl-C in a torch.no_grad() of its copies left grad mode off)
     def set_param_state(self, index: int, key: str, value: Any) -> None:
         """Write ``value`` into parameter ``index``'s ``key`` of :meth:`param_state` (between steps; checked
         first, as :meth:`load_state_dict` checks a state: nothing changes on a bad value). A ``master`` is also
@@ -1917,6 +1921,7 @@ class OffloadEngine:
         for the errors."""
         self.set_params_states([(index, values)], what, partial)
 
+    @without_grad  # (a second Ctrl-C in a torch.no_grad() of its copies left grad mode off)
     def set_params_states(self, entries: Sequence[tuple[int, Any]], what: str, partial: bool = False) -> None:
         """:meth:`set_param_states` of several parameters (``opt.state.update({p: {...}, q: {...}})``): every
         entry is checked before any is written (a bad one for ``q`` left ``p``'s written)."""
@@ -2045,6 +2050,7 @@ class OffloadEngine:
         check_nonnegative(value.detach(), key, where, UnsupportedError)
         refuse_beyond(value.detach(), target.dtype, where, "the state's dtype", UnsupportedError)
 
+    @without_grad  # (a second Ctrl-C in a torch.no_grad() of its copies left grad mode off)
     def reset_state(self) -> None:
         """Forget the Adam state (moments and step counts of every parameter; the masters are kept): the next
         step is every parameter's first, as in ``torch.optim`` after ``opt.state = defaultdict(dict)``."""
