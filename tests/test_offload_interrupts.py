@@ -981,3 +981,39 @@ def test_a_second_ctrl_c_in_a_grad_mode_switch_of_a_state_call_leaves_grad_mode_
             break
         k += 1
     assert k >= 10 and not left_off, (k, left_off)
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_ctrl_c_after_the_facades_engine_is_made_closes_it(monkeypatch):
+    """A Ctrl-C (or any error) in the facade's constructor after its engine was made left that engine live -- its
+    gradient hooks on the model, its worker thread, the gate as SIGINT's handler -- until garbage collection (the
+    hooks hold it in a cycle): the model's gradients went to an optimizer nobody held. The constructor now closes
+    the engine before it raises."""
+    import gc
+    import signal
+    import threading
+
+    import torch
+
+    import sofx.offload
+    from sofx.offload import facade
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    threads = set(threading.enumerate())
+    monkeypatch.setattr(facade, "_ParamStateView", interrupted)
+    model = torch.nn.Linear(4, 3)
+    gc.disable()  # (what is closed, closed without a collection)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            sofx.offload.SpeculativeAdamW(model.parameters(), executor="thread")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "the gate is removed"
+        left = [t for t in set(threading.enumerate()) - threads if t.name.startswith("sofx-offload")]
+        for t in left:
+            t.join(30)
+        assert not [t.name for t in left if t.is_alive()]
+        model(torch.randn(2, 4)).sum().backward()
+        assert model.weight.grad is not None, "no hook of the failed optimizer takes the gradients"
+    finally:
+        gc.enable()

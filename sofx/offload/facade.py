@@ -668,13 +668,17 @@ class _SpeculativeBase(torch.optim.Optimizer):
             n_device_blocks=n_device_blocks, gradient_accumulation_steps=gradient_accumulation_steps,
             timeout=timeout, num_threads=num_threads, shm_dir=shm_dir, shm_limit_bytes=shm_limit_bytes,
             swap_params=swap_params, ddp=ddp)
-        self._state_view = _ParamStateView(self._engine)
-        #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
-        #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
-        self.last_report: EngineStepReport | None = None
-        # Whether a backward since the last step() was scaled by this optimizer (opt.backward, scale_loss) or
-        # the caller read opt.loss_scale to scale one itself: see _warn_unscaled_backward.
-        self._scale_taken = False
+        try:  # (a Ctrl-C here left the engine's hooks, worker and gate live until a garbage collection)
+            self._state_view = _ParamStateView(self._engine)
+            #: The :class:`~sofx.offload.engine.EngineStepReport` of the latest completed ``step()``
+            #: (``None`` before the first); ``step(closure)`` returns the loss, the report is here.
+            self.last_report: EngineStepReport | None = None
+            # Whether a backward since the last step() was scaled by this optimizer (opt.backward, scale_loss) or
+            # the caller read opt.loss_scale to scale one itself: see _warn_unscaled_backward.
+            self._scale_taken = False
+        except BaseException:
+            self._engine.close()
+            raise
 
     # ------------------------------------------------------------ torch.optim interface
     @property  # type: ignore[override]
