@@ -1017,3 +1017,60 @@ def test_ctrl_c_after_the_facades_engine_is_made_closes_it(monkeypatch):
         assert model.weight.grad is not None, "no hook of the failed optimizer takes the gradients"
     finally:
         gc.enable()
+
+
+@pytest.mark.usefixtures("terminal_sigint")
+def test_a_second_ctrl_c_as_a_section_ends_leaves_no_section_counted():
+    """A second Ctrl-C (the first held back) handled as a section's ``__exit__`` began -- Python runs signal handlers
+    at a function's entry, and after a C call -- raised there before the section's count went down: the gate counted
+    a section for good, so every later first Ctrl-C was held back and never delivered (the second then broke the
+    optimizer). The handler, raising there, counts the section left. A SIGINT pending as ``__exit__`` begins, then at
+    its entry and at every line (the handler called as the check there would call it): the count is back to none,
+    and a later Ctrl-C goes through at once."""
+    import _thread
+    import dis
+    import signal
+
+    from sofx.offload.interrupts import InterruptGate, acquire_gate, release_gate
+
+    code = InterruptGate.__exit__.__code__
+    points = [("call", None)] + [("line", n) for n in sorted({n for _, n in dis.findlinestarts(code)
+                                                              if n and n > code.co_firstlineno})]
+    class Two(int):  # Two(2).sent: SIGINT made pending (a C call, no check after an attribute read): handled as
+        sent = property(_thread.interrupt_main)  # the next function starts, or Python's next check
+
+    gate = acquire_gate()
+    assert isinstance(gate, InterruptGate)
+    reached = 0
+    try:
+        with pytest.raises(KeyboardInterrupt):  # a real second SIGINT, pending as the section's __exit__ begins
+            with gate:
+                os.kill(os.getpid(), signal.SIGINT)  # the first: held back
+                Two(signal.SIGINT).sent
+        assert gate._depth == 0, "as __exit__ began"
+        for event_at, line in points:
+            fired = []
+
+            def local(frame, event, arg):
+                if not fired and event == event_at and (line is None or frame.f_lineno == line):
+                    fired.append(line)
+                    gate(signal.SIGINT, frame)  # the second Ctrl-C, handled as this point of __exit__ is reached
+                return local
+
+            before = sys.gettrace()
+            with pytest.raises(KeyboardInterrupt):
+                sys.settrace(lambda frame, event, arg: local(frame, event, arg) if frame.f_code is code else None)
+                try:
+                    with gate:
+                        os.kill(os.getpid(), signal.SIGINT)  # the first: held back
+                finally:
+                    sys.settrace(before)
+            reached += bool(fired)  # (not the line of other threads' return)
+            assert gate._depth == 0, (event_at, line, gate._depth)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)  # outside a section: at once
+                signal.pthread_sigmask(signal.SIG_BLOCK, [])  # (a C call: the handler runs here)
+        assert reached >= 4, reached  # the entry, the count's line and the lines after it
+    finally:
+        gate._depth = 0
+        release_gate(gate)

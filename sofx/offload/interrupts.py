@@ -35,6 +35,7 @@ user's closure), use :func:`without_grad` instead of ``torch.no_grad()``, which 
 
 from __future__ import annotations
 
+import dis
 import functools
 import signal
 import threading
@@ -75,6 +76,10 @@ class InterruptGate:
                 self._previous(signum, frame)
             except BaseException:
                 self.breaks += 1
+                if frame is not None and frame.f_code is _EXIT_CODE and frame.f_lasti < _EXIT_DECREMENT:
+                    # Raised as a section's __exit__ began (Python runs handlers at a function's entry and after a C
+                    # call), before its count went down: left counted, every later first Ctrl-C was held for good
+                    self._depth -= 1
                 raise
 
     def __enter__(self) -> InterruptGate:
@@ -89,6 +94,12 @@ class InterruptGate:
         if self._depth == 0 and self._caught is not None:
             caught, self._caught = self._caught, None
             self._previous(*caught)  # e.g. raises KeyboardInterrupt here, the section's state whole
+
+
+# Where a handler raising inside InterruptGate.__exit__ (its frame) left the section counted: before this offset
+_EXIT_CODE = InterruptGate.__exit__.__code__
+_EXIT_DECREMENT = next(i.offset for i in dis.get_instructions(_EXIT_CODE)
+                       if i.opname == "STORE_ATTR" and i.argval == "_depth")
 
 
 class _NoGate:
