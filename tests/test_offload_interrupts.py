@@ -920,7 +920,8 @@ def test_ctrl_c_as_the_speculation_setting_changes_is_told_to_the_ranks_with_it(
 
 
 
-@pytest.mark.parametrize("call", ["load_state_dict", "state_dict", "reload_params", "state[p] =", "state = {}"])
+@pytest.mark.parametrize("call", ["load_state_dict", "state_dict", "reload_params", "state[p] =", "state = {}",
+                                  "engine.step()"])
 @pytest.mark.usefixtures("terminal_sigint")
 def test_a_second_ctrl_c_in_a_grad_mode_switch_of_a_state_call_leaves_grad_mode_as_it_was(call):
     """The state calls copy into the blocks and the parameters inside ``torch.no_grad()`` blocks, Ctrl-C held back
@@ -929,7 +930,8 @@ def test_a_second_ctrl_c_in_a_grad_mode_switch_of_a_state_call_leaves_grad_mode_
     the switch, or as its ``__exit__`` began, left grad mode off, and the script that caught it failed in its next
     backward ("element 0 of tensors does not require grad"). Ctrl-C twice at every line and return of torch's
     grad-mode code the call reaches, a fresh optimizer each time (a second Ctrl-C breaks one): grad mode is on
-    after each."""
+    after each. The engine's own ``step()`` too (``sofx.offload`` exports the engine: its publish and copy into the
+    parameters)."""
     import signal
 
     import torch
@@ -946,13 +948,16 @@ def test_a_second_ctrl_c_in_a_grad_mode_switch_of_a_state_call_leaves_grad_mode_
             "reload_params": lambda: opt.reload_params(),
             "state[p] =": lambda: opt.state.__setitem__(
                 p, {"step": torch.tensor(1.0), "exp_avg": torch.ones(4, 4), "exp_avg_sq": torch.ones(4, 4)}),
-            "state = {}": lambda: setattr(opt, "state", {})}
+            "state = {}": lambda: setattr(opt, "state", {}),
+            "engine.step()": lambda: opt.engine.step()}
     left_off, k = [], 0
     while k < 200:
         opt = sofx.offload.SpeculativeAdamW(model.parameters(), executor="inline")
         if call == "state_dict":
             with torch.no_grad():
                 p.mul_(1.0)  # (edited in place: taken as its master)
+        if call == "engine.step()":
+            opt.backward(model(torch.ones(2, 4)).square().sum())  # (speculated during it: published, or undone)
         seen = [0]
 
         def local(frame, event, arg):

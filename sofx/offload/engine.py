@@ -1283,6 +1283,7 @@ class OffloadEngine:
                                 f"it): {self._failed}") \
                 from self._failed
 
+    @without_grad  # (its publish and copy into the parameters: torch.no_grad() blocks a second Ctrl-C can leave off)
     def step(self) -> EngineStepReport:
         """Validate this step's speculative updates and complete the step; returns its report. Under ``ddp`` it
         enters no collective after a synchronized backward (see :meth:`_check_replicas`).
