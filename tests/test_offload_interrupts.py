@@ -167,11 +167,11 @@ def local(frame, event, arg):  # a SIGINT sent as this line is about to run, onc
 def calls(frame, event, arg):
     return local if armed is not None and frame.f_code is armed[0] else None
 
-def interrupted_at(target, call):  # call() with a SIGINT sent as target is about to run, caught; whether it was sent
-    global armed
+def interrupted_at(target, call, tracer=calls):  # call() with a SIGINT sent at target (as the line is about to run,
+    global armed                                   # by default), caught; whether it was sent
     armed = target
     try:
-        sys.settrace(calls)
+        sys.settrace(tracer)
         call()
     except KeyboardInterrupt:
         pass
@@ -443,21 +443,21 @@ def test_ctrl_c_at_every_line_of_the_facades_calls_keeps_its_bookkeeping(tmp_pat
 
 # A SIGINT at the k-th line or return of torch's grad-mode switches (torch.no_grad()'s __enter__ and __exit__, the
 # set_grad_enabled they call) inside each call, for every k the call reaches; the grad mode after each, caught.
-_GRAD_MODE = _SETUP + r"""
+_GRAD_MODE = _SETUP + _TRACER + r"""
 GRAD_MODE = torch.autograd.grad_mode.__file__
-armed = seen = None
+seen = 0
 
-def local(frame, event, arg):
+def kth_event(frame, event, arg):  # a SIGINT sent at the armed-th line or return event
     global armed, seen
     if event in ("line", "return") and armed is not None:
         if seen == armed:
             armed = None
             os.kill(os.getpid(), signal.SIGINT)
         seen += 1
-    return local
+    return kth_event
 
-def calls(frame, event, arg):
-    return local if armed is not None and frame.f_code.co_filename == GRAD_MODE else None
+def in_grad_mode(frame, event, arg):
+    return kth_event if armed is not None and frame.f_code.co_filename == GRAD_MODE else None
 
 x, y = batch(0)
 params = [torch.randn(32, 32, requires_grad=True) for _ in range(3)]
@@ -474,15 +474,8 @@ for name, call in calls_made.items():
         opt.zero_grad()
         if name == "step":
             opt.backward(loss(model, x, y))
-        armed, seen = k, 0
-        try:
-            sys.settrace(calls)
-            call()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.settrace(None)
-        fired, armed = armed is None, None
+        seen = 0
+        fired = interrupted_at(k, call, in_grad_mode)
         if not torch.is_grad_enabled():
             left_off.append(f"{name}@{k}")
             torch.set_grad_enabled(True)
